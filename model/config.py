@@ -1,0 +1,142 @@
+"""The model's own config section: architecture and MoE routing.
+
+The launcher builds these from YAML; the model sees nothing else of the job's config.
+`problems()` lists rule violations as (field, value, rule) so the launcher can report
+them with their full dotted key before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+Problem = tuple[str, object, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    """Mixture-of-Experts routing and expert sizes. `num_experts: 0` makes a dense model."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    # Hidden size of one expert's FFN; 0 takes the model's d_ff.
+    d_expert: int = 0
+    # Tokens an expert may take: ceil(top_k * tokens / num_experts * capacity_factor).
+    # null means dropless: every routed token is computed.
+    capacity_factor: Optional[float] = None
+    min_capacity: int = 0
+    # "softmax": the raw router probability weights each expert (Switch Transformer);
+    # "renormalize": the kept top-k probabilities are rescaled to sum to one (Mixtral, GShard top-2).
+    weighting: Literal["softmax", "renormalize"] = "renormalize"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    # Multiplicative uniform noise (1 ± jitter) on the router input while training (Switch).
+    jitter: float = 0.0
+    # An always-on expert beside the routed ones (DeepSeek-MoE); 0 disables it.
+    shared_expert_d_ff: int = 0
+    # Layer i is MoE when (i + 1) % every == 0: 1 → every layer, 2 → every other layer.
+    every: int = 1
+    # "grouped": one grouped GEMM over ragged expert groups; "loop": per-expert reference.
+    experts_impl: Literal["grouped", "loop"] = "grouped"
+
+    @property
+    def enabled(self) -> bool:
+        return self.num_experts > 0
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.num_experts < 0:
+            out.append(("num_experts", self.num_experts, "must be >= 0 (0 means dense)"))
+        if self.enabled:
+            if not 1 <= self.top_k <= self.num_experts:
+                out.append(("top_k", self.top_k, f"must be in 1..num_experts ({self.num_experts})"))
+            if self.capacity_factor is not None and self.capacity_factor <= 0:
+                out.append(("capacity_factor", self.capacity_factor, "must be > 0, or null for dropless"))
+            if self.every < 1:
+                out.append(("every", self.every, "must be >= 1"))
+            if self.weighting == "renormalize" and self.top_k == 1:
+                # Renormalizing one probability makes every weight 1.0 and starves the router of gradient.
+                out.append(("weighting", self.weighting, "top_k=1 needs weighting=softmax (Switch)"))
+        for name in ("aux_loss_coef", "z_loss_coef", "jitter", "min_capacity", "d_expert", "shared_expert_d_ff"):
+            if getattr(self, name) < 0:
+                out.append((name, getattr(self, name), "must be >= 0"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only Transformer; with `moe.num_experts > 0` some FFNs are MoE layers."""
+
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    # Key/value heads: n_heads → MHA, 1 → MQA, in between → GQA. null takes n_heads.
+    n_kv_heads: Optional[int] = None
+    # null takes d_model // n_heads.
+    head_dim: Optional[int] = None
+    d_ff: int = 1024
+    activation: Literal["swiglu", "gelu", "relu"] = "swiglu"
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    norm_eps: float = 1e-5
+    # "pre": x + f(norm(x)) (GPT-2 onward); "post": norm(x + f(x)) (Vaswani et al. 2017).
+    norm_position: Literal["pre", "post"] = "pre"
+    position: Literal["rope", "alibi", "sinusoidal", "learned", "none"] = "rope"
+    rope_theta: float = 10000.0
+    # Context extension: "linear" divides positions by the factor (position interpolation),
+    # "ntk" raises the base by factor ** (d / (d - 2)) (NTK-aware scaling).
+    rope_scaling: Literal["none", "linear", "ntk"] = "none"
+    rope_scaling_factor: float = 1.0
+    max_seq_len: int = 2048
+    dropout: float = 0.0
+    bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: Literal["eager", "sdpa", "triton"] = "sdpa"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def d_expert_ff(self) -> int:
+        return self.moe.d_expert or self.d_ff
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe.enabled and (layer + 1) % self.moe.every == 0
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                out.append((name, getattr(self, name), "must be >= 1"))
+        if out:
+            return out
+        if self.n_kv_heads is not None and not 1 <= self.n_kv_heads <= self.n_heads:
+            out.append(("n_kv_heads", self.n_kv_heads, f"must be in 1..n_heads ({self.n_heads})"))
+        elif self.n_heads % self.kv_heads:
+            out.append(("n_kv_heads", self.kv_heads, f"must divide n_heads ({self.n_heads}) for grouped-query attention"))
+        if self.head_dim is None and self.d_model % self.n_heads:
+            out.append(("n_heads", self.n_heads, f"must divide d_model ({self.d_model}), or set head_dim"))
+        if self.position == "rope" and self.dim_head % 2:
+            out.append(("head_dim", self.dim_head, "must be even for rope"))
+        if self.position == "sinusoidal" and self.d_model % 2:
+            out.append(("d_model", self.d_model, "must be even for sinusoidal positions"))
+        if self.rope_scaling_factor < 1.0:
+            out.append(("rope_scaling_factor", self.rope_scaling_factor, "must be >= 1.0"))
+        if not 0.0 <= self.dropout < 1.0:
+            out.append(("dropout", self.dropout, "must be in [0, 1)"))
+        if self.norm_eps <= 0 or self.init_std <= 0:
+            out.append(("norm_eps" if self.norm_eps <= 0 else "init_std",
+                        self.norm_eps if self.norm_eps <= 0 else self.init_std, "must be > 0"))
+        out += [(f"moe.{k}", v, rule) for k, v, rule in self.moe.problems()]
+        return out
