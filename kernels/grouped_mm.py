@@ -2,11 +2,19 @@
 
 Legend: T rows (tokens sorted by expert), K input features, N output features, E groups.
 `offsets_E[e]` is the cumulative end row of group e (int32), as `torch._grouped_mm` takes it.
+Rows past `offsets_E[-1]` belong to no group and come out as zeros (their gradient too).
+
+Layers: Triton kernels (grouped_mm_triton) → the ops `moetron::grouped_mm` and
+`moetron::grouped_mm_wgrad` (custom ops with fake implementations, so torch.compile traces them,
+and autograd formulas written with the same two ops, so they are differentiable twice) → the
+function `grouped_mm` that the model calls.
 """
 
 from __future__ import annotations
 
 import torch
+
+from moetron.kernels.backend import resolve_backend
 
 
 def grouped_mm_reference(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -19,15 +27,131 @@ def grouped_mm_reference(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: tor
     return torch.cat(parts, dim=0)
 
 
-def grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """y_TN = x_TK @ w_EKN[group of row]; differentiable in x and w. Rows past the last
-    offset belong to no group and come out as zeros."""
-    if x_TK.dtype in (torch.float32, torch.bfloat16) and x_TK.dtype == w_EKN.dtype:
-        # torch._grouped_mm leaves rows past the last offset uninitialized; keep them out.
-        # NOTE: host-device sync to read the number of grouped rows.
-        end = int(offsets_E[-1]) if offsets_E.numel() else 0
-        y = torch._grouped_mm(x_TK[:end], w_EKN, offs=offsets_E.to(torch.int32))
-        if end < x_TK.shape[0]:
-            y = torch.cat([y, y.new_zeros(x_TK.shape[0] - end, y.shape[1])])
-        return y
-    return grouped_mm_reference(x_TK, w_EKN, offsets_E)
+def grouped_mm_wgrad_reference(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """dw_EKN[e] = x_TK[rows of e]^T @ dy_TN[rows of e], by a per-group loop."""
+    # NOTE: host-device sync: the group boundaries are read on the host.
+    ends = offsets_E.tolist()
+    starts = [0] + ends[:-1]
+    parts = [x_TK[s:e].T @ dy_TN[s:e] for s, e in zip(starts, ends)]
+    if not parts:
+        return x_TK.new_zeros(0, x_TK.shape[1], dy_TN.shape[1])
+    return torch.stack(parts)
+
+
+def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm takes fp32/bf16 operands whose non-unit strides and base addresses are
+    multiples of 16 bytes; anything else goes through the reference loop."""
+    for t in tensors:
+        if t.dtype not in (torch.float32, torch.bfloat16) or t.dtype != tensors[0].dtype:
+            return False
+        if t.data_ptr() % 16 or any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
+            return False
+    return True
+
+
+def _grouped_mm_torch(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # NOTE: host-device sync to read the number of grouped rows: torch._grouped_mm leaves rows
+    # past the last offset uninitialized, so they are kept out of it.
+    end = int(offsets_E[-1]) if offsets_E.numel() else 0
+    if end == 0 or not _fits_torch_grouped_mm(x_TK, w_EKN):
+        return grouped_mm_reference(x_TK, w_EKN, offsets_E)
+    y_TN = torch._grouped_mm(x_TK[:end], w_EKN, offs=offsets_E.to(torch.int32))
+    if end < x_TK.shape[0]:
+        y_TN = torch.cat([y_TN, y_TN.new_zeros(x_TK.shape[0] - end, y_TN.shape[1])])
+    return y_TN
+
+
+def _grouped_mm_wgrad_torch(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # NOTE: host-device sync to read the number of grouped rows (see _grouped_mm_torch).
+    end = int(offsets_E[-1]) if offsets_E.numel() else 0
+    xt_KT = x_TK[:end].T
+    if end == 0 or not _fits_torch_grouped_mm(xt_KT, dy_TN):
+        return grouped_mm_wgrad_reference(x_TK, dy_TN, offsets_E)
+    return torch._grouped_mm(xt_KT, dy_TN[:end], offs=offsets_E.to(torch.int32))
+
+
+@torch.library.custom_op("moetron::grouped_mm", mutates_args=())
+def _grouped_mm_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "torch":
+        return _grouped_mm_torch(x_TK, w_EKN, offsets_E)
+    from moetron.kernels.grouped_mm_triton import grouped_mm_triton
+
+    return grouped_mm_triton(x_TK, w_EKN, offsets_E, backend)
+
+
+@_grouped_mm_op.register_fake
+def _(x_TK, w_EKN, offsets_E, backend):
+    return x_TK.new_empty(x_TK.shape[0], w_EKN.shape[2])
+
+
+@torch.library.custom_op("moetron::grouped_mm_wgrad", mutates_args=())
+def _grouped_mm_wgrad_op(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    if backend == "torch":
+        return _grouped_mm_wgrad_torch(x_TK, dy_TN, offsets_E)
+    from moetron.kernels.grouped_mm_triton import grouped_mm_wgrad_triton
+
+    return grouped_mm_wgrad_triton(x_TK, dy_TN, offsets_E, backend)
+
+
+@_grouped_mm_wgrad_op.register_fake
+def _(x_TK, dy_TN, offsets_E, backend):
+    return x_TK.new_empty(offsets_E.shape[0], x_TK.shape[1], dy_TN.shape[1])
+
+
+def _setup_context(ctx, inputs, output):
+    a, b, offsets_E, backend = inputs
+    ctx.save_for_backward(a, b, offsets_E)
+    ctx.backend = backend
+
+
+def _grouped_mm_backward(ctx, dy_TN):
+    # y = x @ w[e]:  dx = dy @ w[e]^T (the same op on w's transposed view), dw[e] = x^T @ dy.
+    x_TK, w_EKN, offsets_E = ctx.saved_tensors
+    dx_TK = dw_EKN = None
+    if ctx.needs_input_grad[0]:
+        dx_TK = _grouped_mm_op(dy_TN, w_EKN.transpose(1, 2), offsets_E, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        dw_EKN = _grouped_mm_wgrad_op(x_TK, dy_TN, offsets_E, ctx.backend)
+    return dx_TK, dw_EKN, None, None
+
+
+def _grouped_mm_wgrad_backward(ctx, g_EKN):
+    # dw[e] = x^T @ dy:  d x = dy @ g[e]^T, d dy = x @ g[e].
+    x_TK, dy_TN, offsets_E = ctx.saved_tensors
+    dx_TK = ddy_TN = None
+    if ctx.needs_input_grad[0]:
+        dx_TK = _grouped_mm_op(dy_TN, g_EKN.transpose(1, 2), offsets_E, ctx.backend)
+    if ctx.needs_input_grad[1]:
+        ddy_TN = _grouped_mm_op(x_TK, g_EKN, offsets_E, ctx.backend)
+    return dx_TK, ddy_TN, None, None
+
+
+_grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_setup_context)
+_grouped_mm_wgrad_op.register_autograd(_grouped_mm_wgrad_backward, setup_context=_setup_context)
+
+
+def grouped_mm(
+    x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """y_TN = x_TK @ w_EKN[group of row]; differentiable in x and w (twice).
+
+    Rows past the last offset belong to no group and come out as zeros. `backend`: None picks
+    Triton on CUDA and torch elsewhere; "interpret" runs the Triton kernels on CPU (tests).
+    The Triton path takes fp32, fp16 and bf16 (fp32 accumulation); the torch path any float dtype.
+    """
+    if x_TK.dim() != 2 or w_EKN.dim() != 3 or offsets_E.dim() != 1:
+        raise ValueError(
+            f"grouped_mm: expected x_TK 2-D, w_EKN 3-D, offsets_E 1-D; got shapes "
+            f"{tuple(x_TK.shape)}, {tuple(w_EKN.shape)}, {tuple(offsets_E.shape)}"
+        )
+    if x_TK.shape[1] != w_EKN.shape[1] or w_EKN.shape[0] != offsets_E.shape[0]:
+        raise ValueError(
+            f"grouped_mm: x_TK {tuple(x_TK.shape)}, w_EKN {tuple(w_EKN.shape)} and offsets_E "
+            f"{tuple(offsets_E.shape)} disagree on K or E"
+        )
+    if x_TK.dtype != w_EKN.dtype:
+        raise ValueError(f"grouped_mm: x_TK is {x_TK.dtype} but w_EKN is {w_EKN.dtype}")
+    backend = resolve_backend(backend, x_TK.device)
+    if backend != "torch" and x_TK.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"grouped_mm: backend={backend!r} takes fp32, fp16 or bf16, got {x_TK.dtype}")
+    return _grouped_mm_op(x_TK, w_EKN, offsets_E.to(torch.int32), backend)

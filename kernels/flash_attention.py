@@ -1,0 +1,155 @@
+"""Scaled dot-product attention with causal masking, grouped-query heads and ALiBi.
+
+Legend: B batch, H query heads, G key/value heads (H % G == 0; query head h reads KV head
+h // (H // G)), S_Q query positions, S_K key positions, D head dim.
+
+Positions: key j sits at j, query i at i + max(S_K - S_Q, 0): with a KV cache (S_Q < S_K) the
+queries are the last S_Q positions; with S_Q >= S_K queries and keys both start at 0.
+Causal masking hides keys after the query's position. ALiBi adds slope_h * (j - pos_i) to the
+scaled logit of query i and key j (a penalty growing with distance into the past).
+
+Layers: Triton kernels (flash_attention_triton) → the ops `moetron::flash_attention_fwd` (returns
+the output and the logsumexp) and `moetron::flash_attention_bwd` (custom ops with fake
+implementations, so torch.compile traces them) → the function `flash_attention`. The torch path
+is `flash_attention_reference`, plain eager torch; its backward recomputes it under autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from moetron.kernels.backend import resolve_backend
+
+
+def flash_attention_reference(
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    causal: bool = True,
+    alibi_slopes_H: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Plain eager attention, differentiable, any float dtype (computed in fp32, or fp64 for
+    fp64 inputs). K/V heads are broadcast over their query heads, never copied. Returns o_BHSD,
+    or (o_BHSD, lse_BHS) with the natural-log logsumexp of each row of logits."""
+    B, H, S_Q, D = q_BHSD.shape
+    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    ct = torch.float64 if q_BHSD.dtype == torch.float64 else torch.float32
+    q_BGRSD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
+    s_BHQK = (q_BGRSD @ k_BGSD.to(ct)[:, :, None].transpose(-1, -2)).reshape(B, H, S_Q, S_K) * scale
+    pos_q = torch.arange(S_Q, device=q_BHSD.device) + max(S_K - S_Q, 0)
+    pos_k = torch.arange(S_K, device=q_BHSD.device)
+    if alibi_slopes_H is not None:
+        distance_QK = (pos_k[None, :] - pos_q[:, None]).to(ct)
+        s_BHQK = s_BHQK + alibi_slopes_H.to(ct)[:, None, None] * distance_QK
+    if causal:
+        s_BHQK = s_BHQK.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    lse_BHS = torch.logsumexp(s_BHQK, dim=-1)
+    p_BGRQK = torch.exp(s_BHQK - lse_BHS[..., None]).reshape(B, G, H // G, S_Q, S_K)
+    o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D).to(q_BHSD.dtype)
+    return (o_BHSD, lse_BHS.float()) if return_lse else o_BHSD
+
+
+@torch.library.custom_op("moetron::flash_attention_fwd", mutates_args=())
+def _fwd_op(
+    q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, causal: bool,
+    alibi_slopes_H: torch.Tensor | None, softmax_scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        return flash_attention_reference(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, True)
+    from moetron.kernels.flash_attention_triton import flash_attention_fwd_triton
+
+    return flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend)
+
+
+@_fwd_op.register_fake
+def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend):
+    B, H, S_Q, D = q_BHSD.shape
+    return q_BHSD.new_empty(B, H, S_Q, D), q_BHSD.new_empty(B, H, S_Q, dtype=torch.float32)
+
+
+@torch.library.custom_op("moetron::flash_attention_bwd", mutates_args=())
+def _bwd_op(
+    do_BHSD: torch.Tensor, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
+    o_BHSD: torch.Tensor, lse_BHS: torch.Tensor, causal: bool, alibi_slopes_H: torch.Tensor | None,
+    softmax_scale: float, backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if backend == "torch":
+        with torch.enable_grad():
+            inputs = [t.detach().requires_grad_() for t in (q_BHSD, k_BGSD, v_BGSD)]
+            o = flash_attention_reference(*inputs, causal, alibi_slopes_H, softmax_scale)
+            return torch.autograd.grad(o, inputs, do_BHSD)
+    from moetron.kernels.flash_attention_triton import flash_attention_bwd_triton
+
+    return flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
+                                      softmax_scale, backend)
+
+
+@_bwd_op.register_fake
+def _(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H, softmax_scale, backend):
+    return torch.empty_like(q_BHSD), torch.empty_like(k_BGSD), torch.empty_like(v_BGSD)
+
+
+def _setup_context(ctx, inputs, output):
+    q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend = inputs
+    o_BHSD, lse_BHS = output
+    ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H)
+    ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+
+
+def _backward(ctx, do_BHSD, dlse_BHS):
+    # The logsumexp is an auxiliary output for the backward pass; its gradient is not propagated
+    # (flash_attention returns only the attention output).
+    q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, ctx.causal, alibi_slopes_H,
+                         ctx.softmax_scale, ctx.backend)
+    return dq, dk, dv, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attention(
+    q_BHSD: torch.Tensor,
+    k_BGSD: torch.Tensor,
+    v_BGSD: torch.Tensor,
+    causal: bool = True,
+    alibi_slopes_H: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    *,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """o_BHSD = softmax(scale * q k^T + alibi, causal mask) v, differentiable in q, k and v.
+
+    `softmax_scale` defaults to 1/sqrt(D). `backend`: None picks Triton on CUDA and torch
+    elsewhere; "interpret" runs the Triton kernels on CPU (tests). The Triton path takes fp32,
+    fp16 and bf16 with head dims 32, 64 or 128; the torch path any float dtype and head dim.
+    """
+    if q_BHSD.dim() != 4 or k_BGSD.dim() != 4 or v_BGSD.shape != k_BGSD.shape:
+        raise ValueError(
+            f"flash_attention: expected q_BHSD, k_BGSD, v_BGSD 4-D with k and v alike; got "
+            f"{tuple(q_BHSD.shape)}, {tuple(k_BGSD.shape)}, {tuple(v_BGSD.shape)}"
+        )
+    (B, H, _, D), (Bk, G, _, Dk) = q_BHSD.shape, k_BGSD.shape
+    if B != Bk or D != Dk or G == 0 or H % G:
+        raise ValueError(
+            f"flash_attention: q_BHSD {tuple(q_BHSD.shape)} and k_BGSD {tuple(k_BGSD.shape)} need the same "
+            f"batch and head dim and a number of query heads divisible by the KV heads"
+        )
+    if not (q_BHSD.dtype == k_BGSD.dtype == v_BGSD.dtype):
+        raise ValueError(f"flash_attention: dtypes differ: {q_BHSD.dtype}, {k_BGSD.dtype}, {v_BGSD.dtype}")
+    if alibi_slopes_H is not None and tuple(alibi_slopes_H.shape) != (H,):
+        raise ValueError(f"flash_attention: alibi_slopes_H must have shape ({H},), got {tuple(alibi_slopes_H.shape)}")
+    backend = resolve_backend(backend, q_BHSD.device)
+    if backend != "torch":
+        if q_BHSD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"flash_attention: backend={backend!r} takes fp32, fp16 or bf16, got {q_BHSD.dtype}")
+        if k_BGSD.shape[2] == 0:
+            raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, backend)
+    return o_BHSD

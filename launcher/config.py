@@ -1,0 +1,309 @@
+"""The job's config: typed, frozen sections loaded from YAML, `a.b=value` overrides, one validation pass.
+
+Each section is a dataclass owned by the folder that uses it (`ModelConfig` in model/,
+`ParallelConfig` in parallel/, `KernelConfig` in kernels/); the run-level sections live here.
+Every problem is reported as one `ConfigError` naming the dotted key, its value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from moetron.kernels.config import KernelConfig
+from moetron.model.config import ModelConfig
+from moetron.parallel.config import ParallelConfig
+
+Problem = tuple[str, object, str]
+
+
+class ConfigError(ValueError):
+    """A config problem, printed as one line by the CLI (exit status 2)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Sharded checkpoints under <run>/checkpoints; `every: 0` saves only at the end and on signals."""
+
+    every: int = 0
+    keep: int = 3
+    # Written as `async` in YAML and overrides (a Python keyword, hence the field name).
+    async_save: bool = field(default=False, metadata={"key": "async"})
+
+    def problems(self) -> list[Problem]:
+        out = [(k, getattr(self, k), "must be >= 0") for k in ("every",) if getattr(self, k) < 0]
+        if self.keep < 1:
+            out.append(("keep", self.keep, "must be >= 1"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The optimization loop. `batch_size` is global: sequences per optimizer step on all ranks."""
+
+    # Run name; null takes the config file's name. Outputs go to <run_dir>/<name>/.
+    name: Optional[str] = None
+    run_dir: str = "runs"
+    steps: int = 1000
+    batch_size: int = 16
+    seq_len: int = 256
+    # Micro-batches accumulated per optimizer step (batch_size must divide evenly).
+    grad_accum: int = 1
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 100
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    # Clip the global gradient norm to this; 0 disables clipping.
+    grad_clip: float = 1.0
+    # "auto": bf16 autocast on CUDA and on CPUs with native bf16 matmuls (AMX/AVX512-BF16), else fp32.
+    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    # Intra-op CPU threads; 0 keeps torch's default.
+    threads: int = 0
+    compile: bool = False
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
+            if getattr(self, k) < 1:
+                out.append((k, getattr(self, k), "must be >= 1"))
+        for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps"):
+            if getattr(self, k) < 0:
+                out.append((k, getattr(self, k), "must be >= 0"))
+        if self.min_lr > self.lr:
+            out.append(("min_lr", self.min_lr, f"must be <= lr ({self.lr})"))
+        for k in ("beta1", "beta2"):
+            if not 0 <= getattr(self, k) < 1:
+                out.append((k, getattr(self, k), "must be in [0, 1)"))
+        if self.grad_accum >= 1 and self.batch_size % self.grad_accum:
+            out.append(("grad_accum", self.grad_accum, f"must divide batch_size ({self.batch_size})"))
+        if self.name is not None and (not self.name or "/" in self.name or self.name.startswith(".")):
+            out.append(("name", self.name, "must be a plain folder name"))
+        out += [(f"checkpoint.{k}", v, r) for k, v, r in self.checkpoint.problems()]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where tokens come from: "stdlib" (the Python standard library's own source, no download)
+    or the PREFIX of token shards written by `moetron data prepare`."""
+
+    source: str = "stdlib"
+    # For "stdlib": "byte", or a tokenizer.json path. Token shards carry their own tokenizer.
+    tokenizer: str = "byte"
+    # Share of documents held out for validation, chosen by a hash of the document's name.
+    val_fraction: float = 0.02
+
+    def problems(self) -> list[Problem]:
+        if not 0 < self.val_fraction < 1:
+            return [("val_fraction", self.val_fraction, "must be in (0, 1)")]
+        return []
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlurmConfig:
+    """Defaults for `moetron submit`; its command-line flags override them."""
+
+    partition: Optional[str] = None
+    time: str = "01:00:00"
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    exclusive: bool = False
+    requeue_limit: int = 3
+    # Seconds before the time limit at which the job is told to checkpoint and requeue.
+    signal_seconds: int = 120
+
+    def problems(self) -> list[Problem]:
+        out = [(k, getattr(self, k), "must be >= 1") for k in ("nodes", "cpus_per_task") if getattr(self, k) < 1]
+        out += [(k, getattr(self, k), "must be >= 0")
+                for k in ("gpus_per_node", "requeue_limit", "signal_seconds") if getattr(self, k) < 0]
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+
+    @property
+    def run_name(self) -> str:
+        return self.train.name or "run"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """Read a YAML preset, apply `a.b=value` overrides, build the typed config and validate it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file (try configs/tiny.yaml)")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must hold a mapping of sections (model:, train:, …)")
+    for item in overrides:
+        apply_override(data, item)
+    data.setdefault("train", {})
+    if isinstance(data["train"], dict) and data["train"].get("name") is None:
+        data["train"]["name"] = path.stem
+    cfg = from_dict(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    """Build and validate a config from plain data (a resolved config saved in a run folder)."""
+    cfg = from_dict(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in nested `data`; the value is parsed as YAML (1 → int, true → bool)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=200")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _field_key(f: dataclasses.Field) -> str:
+    return f.metadata.get("key", f.name)
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass `cls` from nested dicts, checking every key and type."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} = {data!r}: must be a mapping")
+    hints = typing.get_type_hints(cls)
+    fields = {_field_key(f): f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            guess = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean {prefix}{guess[0]}?)" if guess else f" (known: {', '.join(sorted(fields))})"
+            raise ConfigError(f"unknown key {prefix}{key}{hint}")
+    kwargs = {}
+    for key, f in fields.items():
+        if key in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[key], f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value if value is not None else {}, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(str, choices))}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r}: must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r}: must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r}: must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r}: must be a string")
+        return value
+    raise TypeError(f"unsupported config type {tp} for {key}")
+
+
+def _to_dict(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_field_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate(cfg: Config) -> None:
+    """Raise ConfigError for the first problem: each section's own rules, then cross-section ones."""
+    for section in ("model", "parallel", "train", "data", "kernel", "slurm"):
+        for key, value, rule in getattr(cfg, section).problems():
+            raise ConfigError(f"{section}.{key} = {value!r}: {rule}")
+    for key, value, rule in _cross_section_problems(cfg):
+        raise ConfigError(f"{key} = {value!r}: {rule}")
+
+
+def _cross_section_problems(cfg: Config) -> list[Problem]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out: list[Problem] = []
+    if t.seq_len > m.max_seq_len:
+        out.append(("train.seq_len", t.seq_len, f"must be <= model.max_seq_len ({m.max_seq_len})"))
+    if t.batch_size % (p.dp * t.grad_accum):
+        out.append(("train.batch_size", t.batch_size,
+                    f"must be divisible by parallel.dp × train.grad_accum ({p.dp} × {t.grad_accum})"))
+    if m.n_heads % p.tp:
+        out.append(("parallel.tp", p.tp, f"must divide model.n_heads ({m.n_heads})"))
+    if m.kv_heads % p.tp:
+        out.append(("parallel.tp", p.tp, f"must divide the KV heads ({m.kv_heads})"))
+    if m.vocab_size % p.tp:
+        out.append(("parallel.tp", p.tp, f"must divide model.vocab_size ({m.vocab_size})"))
+    if m.moe.enabled and m.moe.num_experts % p.ep:
+        out.append(("parallel.ep", p.ep, f"must divide model.moe.num_experts ({m.moe.num_experts})"))
+    if not m.moe.enabled and p.ep > 1:
+        out.append(("parallel.ep", p.ep, "needs an MoE model (model.moe.num_experts > 0)"))
+    if m.n_layers % (p.pp * p.vpp):
+        out.append(("parallel.pp", p.pp, f"× vpp ({p.vpp}) must divide model.n_layers ({m.n_layers})"))
+    micro = t.batch_size // max(p.dp * t.grad_accum, 1)
+    if p.pp > 1 and micro % p.microbatches:
+        out.append(("parallel.microbatches", p.microbatches,
+                    f"must divide the per-rank micro-batch ({micro} sequences)"))
+    return out

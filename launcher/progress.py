@@ -1,0 +1,42 @@
+"""A progress bar with loss, tokens/s and ETA on a terminal; plain log lines elsewhere (CI, Slurm)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+
+class Progress:
+    def __init__(self, total: int, start: int = 0, *, enabled: bool = True, stream=None):
+        self.total, self.start, self.enabled = total, start, enabled
+        self.stream = stream or sys.stderr
+        self._bar = None
+        self._last: dict = {}
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> "Progress":
+        if self.enabled and self.stream.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
+
+            self._bar = RichProgress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                     TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task("train", total=self.total, completed=self.start, info="")
+        return self
+
+    def update(self, step: int, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items())
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, info=info)
+        elif "tokens_per_s" in record or "val_loss" in record:
+            rate = (step - self.start) / max(time.perf_counter() - self._t0, 1e-9)
+            eta = (self.total - step) / rate if rate > 0 else float("nan")
+            print(f"step {step}/{self.total}  {info}  eta {eta:,.0f}s", file=self.stream, flush=True)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()

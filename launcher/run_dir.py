@@ -1,0 +1,89 @@
+"""The run folder <train.run_dir>/<train.name>/: created once, resumed, never clobbered.
+
+  config.yaml      the resolved config of the run's first start
+  metrics.jsonl    one JSON object per logged step
+  tensorboard/     event files
+  checkpoints/     see moetron.parallel.checkpoint
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from moetron.launcher.config import Config
+from moetron.parallel.checkpoint import COMPLETE, latest_checkpoint
+
+
+class RunError(RuntimeError):
+    """A run folder that cannot be used as asked; printed as one line (exit status 2)."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+    resume_from: Path | None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+
+def open_run_dir(cfg: Config, resume: str = "auto", *, create: bool = True) -> RunDir:
+    """Decide where the run lives and what it resumes from.
+
+    resume="auto": the newest complete checkpoint of the folder, or a fresh start when the folder
+    is new; a folder that already holds a run but no checkpoint is refused, not overwritten.
+    resume="none": a fresh start, refused if the folder already holds a run.
+    resume=PATH: that checkpoint folder.
+    """
+    path = Path(cfg.train.run_dir) / cfg.run_name
+    used = path.is_dir() and any(path.iterdir())
+    if resume == "none":
+        if used:
+            raise RunError(f"{path} already holds a run; resume it with --resume auto, "
+                           f"or start another with train.name=<new name>")
+        ckpt = None
+    elif resume == "auto":
+        ckpt = latest_checkpoint(path / "checkpoints") if used else None
+        if used and ckpt is None:
+            raise RunError(f"{path} already holds a run but no complete checkpoint to resume from; "
+                           f"start another with train.name=<new name> or remove the folder")
+    else:
+        ckpt = Path(resume)
+        if not (ckpt / COMPLETE).is_file():
+            found = latest_checkpoint(ckpt.parent) if ckpt.parent.is_dir() else None
+            offer = f"; the newest complete one there is {found}" if found else ""
+            raise RunError(f"--resume {resume}: not a complete checkpoint{offer}")
+    if ckpt is not None:
+        _check_same_model(cfg, ckpt)
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+        if ckpt is None:
+            (path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    return RunDir(path, ckpt)
+
+
+def _check_same_model(cfg: Config, ckpt: Path) -> None:
+    """Refuse to resume a checkpoint of another architecture, naming the first differing key."""
+    saved = json.loads((ckpt / "state.json").read_text()).get("config", {}).get("model", {})
+    now = cfg.to_dict()["model"]
+    for key in sorted(set(saved) | set(now)):
+        if key not in ("attention",) and saved.get(key) != now.get(key):
+            raise RunError(f"checkpoint {ckpt} is of another model: model.{key} was {saved.get(key)!r}, "
+                           f"now {now.get(key)!r}")
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop records after `last_step` (logged by a run that died before its next checkpoint),
+    so a resumed run's metrics.jsonl reads as if it had never stopped."""
+    metrics = path / "metrics.jsonl"
+    if not metrics.is_file():
+        return
+    keep = [line for line in metrics.read_text().splitlines() if line and json.loads(line)["step"] <= last_step]
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(metrics)

@@ -1,0 +1,134 @@
+"""Causal self-attention: MHA, GQA and MQA, with RoPE or ALiBi and a KV cache for decoding.
+
+Legend: B batch, S query positions, L key positions (cache length), D model dim,
+H query heads, G key/value heads (H % G == 0), Dh head dim.
+
+Backends all compute the same thing: "eager" is the plain reference (scores materialized,
+softmax in fp32), "sdpa" is torch's scaled_dot_product_attention, "triton" the flash kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moetron.model.positions import alibi_bias, apply_rope
+
+
+@dataclass
+class KVCache:
+    """Keys and values of one layer for positions [0, length), preallocated to `max_len`."""
+
+    k_BGLDh: torch.Tensor
+    v_BGLDh: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def empty(cls, batch: int, kv_heads: int, max_len: int, head_dim: int, *, dtype, device) -> "KVCache":
+        shape = (batch, kv_heads, max_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def append(self, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new positions and return keys and values for all positions so far."""
+        end = self.length + k_BGSDh.shape[2]
+        if end > self.k_BGLDh.shape[2]:
+            raise ValueError(f"KV cache holds {self.k_BGLDh.shape[2]} positions; {end} requested")
+        self.k_BGLDh[:, :, self.length : end] = k_BGSDh
+        self.v_BGLDh[:, :, self.length : end] = v_BGSDh
+        self.length = end
+        return self.k_BGLDh[:, :, :end], self.v_BGLDh[:, :, :end]
+
+
+def attention_bias(
+    n_queries: int, n_keys: int, *, causal: bool, slopes_H: torch.Tensor | None, device
+) -> torch.Tensor | None:
+    """Additive bias (H or 1, S, L): -inf above the causal diagonal, ALiBi's linear distance penalty.
+
+    Queries are the last `n_queries` of the `n_keys` positions (prefill: equal; decode: one).
+    """
+    if not causal and slopes_H is None:
+        return None
+    q_pos = torch.arange(n_keys - n_queries, n_keys, device=device)
+    k_pos = torch.arange(n_keys, device=device)
+    bias = torch.zeros(1, n_queries, n_keys, device=device)
+    if slopes_H is not None:
+        bias = alibi_bias(slopes_H, q_pos, k_pos)
+    if causal:
+        bias = bias.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return bias
+
+
+def eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, scale: float) -> torch.Tensor:
+    """The reference: repeat K/V per group, materialize scores, softmax in fp32."""
+    groups = q_BHSDh.shape[1] // k_BGLDh.shape[1]
+    k_BHLDh = k_BGLDh.repeat_interleave(groups, dim=1)
+    v_BHLDh = v_BGLDh.repeat_interleave(groups, dim=1)
+    scores_BHSL = (q_BHSDh @ k_BHLDh.transpose(-1, -2)).float() * scale
+    if bias is not None:
+        scores_BHSL = scores_BHSL + bias
+    probs_BHSL = scores_BHSL.softmax(dim=-1).to(v_BHLDh.dtype)
+    return probs_BHSL @ v_BHLDh
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with `n_kv_heads` key/value heads."""
+
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
+                 backend: str = "sdpa", bias: bool = False, dropout: float = 0.0):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.backend = backend
+        self.scale = head_dim**-0.5
+        self.wq = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(
+        self,
+        x_BSD: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        alibi_slopes_H: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """`rope` is (cos, sin) for the S new positions; `cache` holds the earlier ones."""
+        B, S, _ = x_BSD.shape
+        # Heads are derived from the projection width so tensor parallelism can shard it.
+        q_BHSDh = self.wq(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        k_BGSDh = self.wk(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v_BGSDh = self.wv(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, *rope), apply_rope(k_BGSDh, *rope)
+        if cache is not None:
+            k_BGSDh, v_BGSDh = cache.append(k_BGSDh, v_BGSDh)
+        o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H)
+        return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
+
+    def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H) -> torch.Tensor:
+        S, L = q_BHSDh.shape[2], k_BGLDh.shape[2]
+        if self.backend == "triton":
+            from moetron.kernels import flash_attention
+
+            return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=True, alibi_slopes_H=slopes_H,
+                                   softmax_scale=self.scale)
+        if self.backend == "sdpa" and slopes_H is None and S == L:
+            return F.scaled_dot_product_attention(
+                q_BHSDh, k_BGLDh, v_BGLDh, is_causal=True, scale=self.scale,
+                enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
+        bias = attention_bias(S, L, causal=True, slopes_H=slopes_H, device=q_BHSDh.device)
+        if self.backend == "sdpa":
+            return F.scaled_dot_product_attention(
+                q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=bias.to(q_BHSDh.dtype), scale=self.scale,
+                enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
+        return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
+            nn.init.normal_(lin.weight, std=s)
+            if lin.bias is not None:
+                nn.init.zeros_(lin.bias)

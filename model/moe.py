@@ -1,0 +1,95 @@
+"""The MoE layer in four explicit steps: route → dispatch → experts → combine.
+
+Legend: B batch, S sequence, T = B·S tokens, D model dim, K top-k, A kept routes, E experts.
+
+The dispatcher is a swappable object: `LocalDispatcher` permutes tokens by expert inside one
+process; expert parallelism replaces it with one that exchanges tokens by all-to-all. The layer
+itself never communicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moetron.model.config import ModelConfig
+from moetron.model.experts import GroupedExperts
+from moetron.model.layers import FeedForward
+from moetron.model.router import Router, Routing
+
+
+@dataclass
+class DispatchState:
+    """What `combine` needs to undo `dispatch`: each kept route's token and weight, sorted by expert."""
+
+    token_A: torch.Tensor
+    weight_A: torch.Tensor
+    num_tokens: int
+
+
+class LocalDispatcher:
+    """Permute the kept routes so each expert's tokens are contiguous; no communication."""
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """→ x_AD sorted by expert, offsets_E (int32 end row per expert), state for combine."""
+        num_experts = routing.probs_TE.shape[1]
+        T, K = routing.expert_TK.shape
+        kept_A = routing.kept_TK.reshape(-1)
+        expert_A = routing.expert_TK.reshape(-1)[kept_A]
+        token_A = torch.arange(T, device=x_TD.device).repeat_interleave(K)[kept_A]
+        weight_A = routing.weight_TK.reshape(-1)[kept_A]
+        order_A = torch.argsort(expert_A, stable=True)
+        offsets_E = torch.cumsum(torch.bincount(expert_A, minlength=num_experts), 0).to(torch.int32)
+        token_A, weight_A = token_A[order_A], weight_A[order_A]
+        return x_TD[token_A], offsets_E, DispatchState(token_A, weight_A, T)
+
+    def combine(self, y_AD: torch.Tensor, state: DispatchState) -> torch.Tensor:
+        """Weight each route's output and sum it into its token → y_TD (dropped tokens get 0)."""
+        weighted_AD = y_AD * state.weight_A[:, None].to(y_AD.dtype)
+        y_TD = weighted_AD.new_zeros(state.num_tokens, y_AD.shape[1])
+        return y_TD.index_add_(0, state.token_A, weighted_AD)
+
+
+@dataclass
+class MoEStats:
+    """Per-layer numbers for losses and dashboards."""
+
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    counts_E: torch.Tensor
+    dropped_fraction: torch.Tensor
+    entropy: torch.Tensor
+
+
+class MoELayer(nn.Module):
+    """Routed experts plus an optional shared expert, replacing a dense FFN."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        moe = cfg.moe
+        self.router = Router(cfg.d_model, moe)
+        self.experts = GroupedExperts(moe.num_experts, cfg.d_model, cfg.d_expert_ff, cfg.activation, moe.experts_impl)
+        self.shared = (FeedForward(cfg.d_model, moe.shared_expert_d_ff, cfg.activation, cfg.bias)
+                       if moe.shared_expert_d_ff else None)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.dispatcher = LocalDispatcher()
+
+    def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
+        x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
+        routing = self.router(x_TD)
+        x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
+        y_AD = self.experts(x_AD, offsets_E)
+        y_TD = self.dispatcher.combine(y_AD, state).to(x_BSD.dtype)
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD)
+        stats = MoEStats(routing.aux_loss, routing.z_loss, routing.counts_E, routing.dropped_fraction,
+                         routing.entropy)
+        return self.dropout(y_TD.view_as(x_BSD)), stats
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        self.router.init_weights(std)
+        self.experts.init_weights(std, out_std)
+        if self.shared is not None:
+            self.shared.init_weights(std, out_std)

@@ -1,0 +1,153 @@
+"""The decoder: embedding → N blocks (attention + dense FFN or MoE) → final norm → LM head.
+
+Legend: B batch, S sequence, D model dim, V vocabulary.
+
+Layers live in a ModuleDict keyed by their index so that pipeline stages can drop the ones
+they do not own and checkpoints keep the same keys on every layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from moetron.model.attention import Attention, KVCache
+from moetron.model.config import ModelConfig
+from moetron.model.layers import FeedForward, build_norm
+from moetron.model.moe import MoELayer, MoEStats
+from moetron.model.positions import alibi_slopes, rope_cos_sin, rope_inv_freq, sinusoidal_table
+
+
+@dataclass
+class ModelOutput:
+    """Logits plus what the MoE layers report: summed aux losses and per-layer stats."""
+
+    logits_BSV: torch.Tensor
+    aux_loss: torch.Tensor
+    moe: dict[int, MoEStats] = field(default_factory=dict)
+
+
+class Block(nn.Module):
+    """Pre-norm x + f(norm(x)) or post-norm norm(x + f(x)), for attention then FFN/MoE."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.pre_norm = cfg.norm_position == "pre"
+        self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head,
+                              backend=cfg.attention, bias=cfg.bias, dropout=cfg.dropout)
+        self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
+        self.ffn = MoELayer(cfg) if cfg.is_moe_layer(layer) else FeedForward(
+            cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)
+
+    def forward(self, x_BSD: torch.Tensor, **attn_kwargs) -> tuple[torch.Tensor, MoEStats | None]:
+        if self.pre_norm:
+            x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), **attn_kwargs)
+            y_BSD, stats = self._ffn(self.ffn_norm(x_BSD))
+            return x_BSD + y_BSD, stats
+        x_BSD = self.attn_norm(x_BSD + self.attn(x_BSD, **attn_kwargs))
+        y_BSD, stats = self._ffn(x_BSD)
+        return self.ffn_norm(x_BSD + y_BSD), stats
+
+    def _ffn(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats | None]:
+        if isinstance(self.ffn, MoELayer):
+            return self.ffn(x_BSD)
+        return self.ffn(x_BSD), None
+
+    def init_weights(self, std: float, out_std: float) -> None:
+        for norm in (self.attn_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attn.init_weights(std, out_std)
+        self.ffn.init_weights(std, out_std)
+
+
+class Decoder(nn.Module):
+    """A decoder-only language model. Any of `embed`, `layers`, `norm`, `head` may be absent on
+    a pipeline stage; `forward` then takes hidden states instead of token ids or returns them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling,
+                                                            cfg.rope_scaling_factor), persistent=False)
+        self.register_buffer("alibi_slopes_H", alibi_slopes(cfg.n_heads), persistent=False)
+        if cfg.tie_embeddings:
+            self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor, *, caches: list[KVCache] | None = None, start_pos: int = 0) -> ModelOutput:
+        """x: token ids (B, S) on the first stage, else hidden states (B, S, D). With `caches`,
+        positions start at `start_pos` and each layer's keys and values are appended to its cache."""
+        cfg = self.cfg
+        S = x.shape[1]
+        positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
+        h_BSD = self._embed(x, positions_S) if self.embed is not None else x
+        attn_kwargs: dict = {}
+        if cfg.position == "rope":
+            attn_kwargs["rope"] = rope_cos_sin(positions_S, self.rope_inv_freq)
+        elif cfg.position == "alibi":
+            attn_kwargs["alibi_slopes_H"] = self.alibi_slopes_H
+        aux = h_BSD.new_zeros((), dtype=torch.float32)
+        stats: dict[int, MoEStats] = {}
+        for name, block in self.layers.items():
+            cache = caches[int(name)] if caches is not None else None
+            h_BSD, layer_stats = block(h_BSD, cache=cache, **attn_kwargs)
+            if layer_stats is not None:
+                stats[int(name)] = layer_stats
+                aux = aux + layer_stats.aux_loss + layer_stats.z_loss
+        if self.norm is not None:
+            h_BSD = self.norm(h_BSD)
+        out_BSV = self.head(h_BSD) if self.head is not None else h_BSD
+        return ModelOutput(out_BSV, aux, stats)
+
+    def _embed(self, ids_BS: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
+        h_BSD = self.embed(ids_BS)
+        if self.pos_embed is not None:
+            h_BSD = h_BSD + self.pos_embed(positions_S)
+        elif self.cfg.position == "sinusoidal":
+            h_BSD = h_BSD + sinusoidal_table(positions_S, self.cfg.d_model).to(h_BSD.dtype)
+        return self.embed_dropout(h_BSD)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, std) everywhere; the projections that write into the residual stream get
+        std / sqrt(2·n_layers) so its variance stays flat with depth (GPT-2, Megatron)."""
+        cfg = self.cfg
+        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+        if self.embed is not None:
+            nn.init.normal_(self.embed.weight, std=std)
+        if self.pos_embed is not None:
+            nn.init.normal_(self.pos_embed.weight, std=std)
+        for block in self.layers.values():
+            block.init_weights(std, out_std)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.head is not None and not cfg.tie_embeddings:
+            nn.init.normal_(self.head.weight, std=std)
+        self.rope_inv_freq.copy_(rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling,
+                                               cfg.rope_scaling_factor))
+        self.alibi_slopes_H.copy_(alibi_slopes(cfg.n_heads))
+
+    def new_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
+        """One empty KV cache per layer, for `generate`."""
+        cfg = self.cfg
+        ref = self.embed.weight
+        return [KVCache.empty(batch, cfg.kv_heads, max_len, cfg.dim_head, dtype=dtype or ref.dtype,
+                              device=device or ref.device) for _ in range(cfg.n_layers)]
+
+
+def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Decoder:
+    """Build and initialize. On "meta" nothing is allocated: parallelize, `to_empty`, then `init_weights`."""
+    with torch.device(device):
+        model = Decoder(cfg).to(dtype)
+    if str(device) != "meta":
+        model.init_weights()
+    return model

@@ -1,0 +1,241 @@
+#!/usr/bin/env bash
+# Configure and start a real single-node Slurm on localhost: munged, MariaDB, slurmdbd (so that
+# sacct works), slurmctld and slurmd, with every piece of their state under one folder:
+#
+#   ${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}/
+#     etc/    slurm.conf, slurmdbd.conf, munge.key, mariadb password
+#     run/    pid files, munge and MariaDB sockets
+#     log/    one log per daemon
+#     spool/  slurmctld state, slurmd spool, munge seed
+#     mysql/  MariaDB data
+#     env     `export SLURM_CONF=...`, to source
+#
+# Prints `export SLURM_CONF=...` on stdout (so `eval "$(slurm/start.sh)"` works) and returns once
+# `sinfo` shows the node idle. Running it again while everything runs only prints that line;
+# daemons that died are started again. Job state persists across stop/start, as on a real cluster,
+# so job ids keep growing and sacct stays unambiguous. slurm/stop.sh stops exactly these daemons.
+#
+# Ports: MOETRON_SLURM_PORT (default 6817) for slurmctld, then +1 slurmd, +2 slurmdbd, +3 MariaDB.
+# MOETRON_SLURM_CPUS declares more CPUs than the machine has (e.g. 4 ranks on 2 cores).
+set -euo pipefail
+
+root="${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}"
+port="${MOETRON_SLURM_PORT:-6817}"
+ctld_port=$port
+slurmd_port=$((port + 1))
+dbd_port=$((port + 2))
+db_port=$((port + 3))
+cluster=moetron
+host="$(hostname -s)"
+started_at=$(date +%s.%N)
+
+conf="$root/etc/slurm.conf"
+dbd_conf="$root/etc/slurmdbd.conf"
+munge_socket="$root/run/munge.socket"
+db_socket="$root/run/mariadb.sock"
+
+die() {
+    echo "slurm/start.sh: $1" >&2
+    exit 1
+}
+
+for tool in munged mungekey mariadbd mariadb-install-db slurmdbd slurmctld slurmd sinfo; do
+    command -v "$tool" >/dev/null || die "$tool not found; run slurm/install.sh first"
+done
+[[ $EUID -eq 0 ]] || die "the daemons run as root here (SlurmUser=root); run as root"
+
+# True when the pid file names a live (not zombie) process whose executable is $2. Zombies linger
+# for a few seconds after exit, so existence of /proc/PID alone is not enough.
+alive() {
+    local pidfile="$1" name="$2" pid state comm
+    [[ -s "$pidfile" ]] || return 1
+    pid="$(<"$pidfile")"
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
+    [[ "$comm" == "$name" ]] || return 1
+    state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" || return 1
+    [[ "$state" != Z && "$state" != X ]]
+}
+
+# Wait up to $2 seconds for the command "${@:3}" to succeed; on timeout show the log $1 and fail.
+wait_for() {
+    local log="$1" seconds="$2" what="$3"
+    shift 3
+    local deadline=$(($(date +%s) + seconds))
+    until "$@" >/dev/null 2>&1; do
+        if (($(date +%s) >= deadline)); then
+            echo "slurm/start.sh: $what did not come up within ${seconds}s; last lines of $log:" >&2
+            tail -n 20 "$log" >&2 || true
+            exit 1
+        fi
+        sleep 0.1
+    done
+}
+
+print_env() {
+    echo "export SLURM_CONF=$conf"
+}
+
+mkdir -p "$root"/{etc,run,log,spool/ctld,spool/d,spool/munge}
+# munged refuses key, socket and log folders that others may write to.
+chmod 755 "$root" "$root"/{etc,run,log,spool,spool/munge}
+
+# One start at a time per folder: two test sessions starting together must not both start daemons.
+# The daemons must not inherit the lock's descriptor (9>&- below), or they would hold it forever.
+exec 9>"$root/run/start.lock"
+flock -w 120 9 || die "another slurm/start.sh holds $root/run/start.lock for over 120 s"
+
+daemons=(munged:munged.pid mariadbd:mariadb.pid slurmdbd:slurmdbd.pid slurmctld:slurmctld.pid slurmd:slurmd.pid)
+all_running=1
+for entry in "${daemons[@]}"; do
+    alive "$root/run/${entry#*:}" "${entry%%:*}" || all_running=0
+done
+if ((all_running)); then
+    print_env
+    exit 0
+fi
+
+# --- configuration (rewritten only when something must start, never under a running daemon) ---
+
+alive "$root/run/munged.pid" munged || {
+    [[ -s "$root/etc/munge.key" ]] || mungekey --create --keyfile="$root/etc/munge.key" >/dev/null
+    chmod 600 "$root/etc/munge.key"
+}
+[[ -s "$root/etc/mariadb.pass" ]] || (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$root/etc/mariadb.pass")
+db_pass="$(<"$root/etc/mariadb.pass")"
+
+# The node line comes from slurmd itself, so CPUs and memory always match what it will report.
+node_line="$(slurmd -C | head -n 1)"
+[[ "$node_line" == NodeName=* ]] || die "slurmd -C printed '$node_line', expected a NodeName= line"
+node_line="NodeName=$host NodeAddr=127.0.0.1 ${node_line#NodeName=* }"
+overrides=""
+if [[ -n "${MOETRON_SLURM_CPUS:-}" ]]; then
+    node_line="NodeName=$host NodeAddr=127.0.0.1 CPUs=${MOETRON_SLURM_CPUS} $(grep -o 'RealMemory=[0-9]*' <<<"$node_line")"
+    overrides="SlurmdParameters=config_overrides"
+fi
+
+cat >"$conf" <<EOF
+# Written by slurm/start.sh; rewritten on every cold start.
+ClusterName=$cluster
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# A requeued job may start again only once its credential expired: 10 s instead of 120 s.
+AuthInfo=socket=$munge_socket,cred_expire=10
+StateSaveLocation=$root/spool/ctld
+SlurmdSpoolDir=$root/spool/d
+SlurmctldPidFile=$root/run/slurmctld.pid
+SlurmdPidFile=$root/run/slurmd.pid
+SlurmctldLogFile=$root/log/slurmctld.log
+SlurmdLogFile=$root/log/slurmd.log
+# No cgroups in containers: track processes through /proc and bind no tasks.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+MailProg=/bin/true
+$overrides
+# Preemption: a job in 'urgent' requeues jobs in 'debug', which first get their --signal.
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+SlurmctldParameters=preempt_send_user_signal
+# Accounting through slurmdbd, so sacct (and submitit's polling) works.
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=127.0.0.1
+AccountingStoragePort=$dbd_port
+AccountingStoragePass=$munge_socket
+JobAcctGatherType=jobacct_gather/none
+$node_line State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
+PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+EOF
+
+(umask 077 && cat >"$dbd_conf" <<EOF
+# Written by slurm/start.sh. slurmdbd refuses this file unless it is mode 600.
+AuthType=auth/munge
+AuthInfo=socket=$munge_socket
+DbdHost=$host
+DbdAddr=127.0.0.1
+DbdPort=$dbd_port
+SlurmUser=root
+PidFile=$root/run/slurmdbd.pid
+LogFile=$root/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=$db_port
+StorageUser=slurm
+StoragePass=$db_pass
+StorageLoc=slurm_acct_db
+EOF
+)
+chmod 600 "$dbd_conf"
+export SLURM_CONF="$conf"
+
+# --- daemons, in dependency order ---
+
+if ! alive "$root/run/munged.pid" munged; then
+    rm -f "$munge_socket" "$munge_socket.lock"
+    munged --force --key-file="$root/etc/munge.key" --socket="$munge_socket" \
+        --pid-file="$root/run/munged.pid" --log-file="$root/log/munged.log" \
+        --seed-file="$root/spool/munge/munged.seed" 9>&- >>"$root/log/munged.log" 2>&1 ||
+        { tail -n 20 "$root/log/munged.log" >&2; die "munged failed to start"; }
+fi
+
+if ! alive "$root/run/mariadb.pid" mariadbd; then
+    if [[ ! -d "$root/mysql/mysql" ]]; then
+        # A half-made data folder (interrupted first start) is thrown away and made again.
+        rm -rf "$root/mysql"
+        mariadb-install-db --no-defaults --user=root --datadir="$root/mysql" --skip-test-db \
+            --auth-root-authentication-method=socket >"$root/log/mariadb-install.log" 2>&1 ||
+            { tail -n 20 "$root/log/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
+    fi
+    rm -f "$db_socket"
+    # mariadbd does not daemonize itself; setsid detaches it from the caller's session.
+    setsid mariadbd --no-defaults --user=root --datadir="$root/mysql" --socket="$db_socket" \
+        --pid-file="$root/run/mariadb.pid" --bind-address=127.0.0.1 --port="$db_port" \
+        --skip-name-resolve --log-error="$root/log/mariadb.log" --skip-log-bin \
+        --innodb-buffer-pool-size=32M 9>&- </dev/null >>"$root/log/mariadb.log" 2>&1 &
+    wait_for "$root/log/mariadb.log" 60 MariaDB test -S "$db_socket"
+    # root logs in through the socket as the unix user root; slurmdbd gets its own TCP account,
+    # whose password is set again on every start so the data folder and etc/ never disagree.
+    mariadb --no-defaults --socket="$db_socket" -u root >>"$root/log/mariadb.log" 2>&1 <<EOF ||
+CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1';
+ALTER USER 'slurm'@'127.0.0.1' IDENTIFIED BY '$db_pass';
+GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';
+EOF
+        { tail -n 20 "$root/log/mariadb.log" >&2; die "could not create the MariaDB account for slurmdbd"; }
+fi
+
+if ! alive "$root/run/slurmdbd.pid" slurmdbd; then
+    slurmdbd 9>&- >>"$root/log/slurmdbd.log" 2>&1 || { tail -n 20 "$root/log/slurmdbd.log" >&2; die "slurmdbd failed to start"; }
+    # slurmctld registers the cluster with slurmdbd when it starts, so slurmdbd must listen first.
+    wait_for "$root/log/slurmdbd.log" 60 slurmdbd sacctmgr -n list cluster
+fi
+
+if ! alive "$root/run/slurmctld.pid" slurmctld; then
+    slurmctld 9>&- >>"$root/log/slurmctld.log" 2>&1 || { tail -n 20 "$root/log/slurmctld.log" >&2; die "slurmctld failed to start"; }
+fi
+
+if ! alive "$root/run/slurmd.pid" slurmd; then
+    slurmd 9>&- >>"$root/log/slurmd.log" 2>&1 || { tail -n 20 "$root/log/slurmd.log" >&2; die "slurmd failed to start"; }
+fi
+
+node_idle() {
+    local state
+    state="$(sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1)"
+    [[ "$state" == idle || "$state" == mixed || "$state" == allocated ]]
+}
+wait_for "$root/log/slurmctld.log" 60 "node $host" node_idle
+
+print_env >"$root/env"
+print_env
+awk -v a="$started_at" -v b="$(date +%s.%N)" 'BEGIN { printf "slurm/start.sh: local Slurm up in %.1f s\n", b - a }' >&2

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Stop the local Slurm that slurm/start.sh started in ${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}.
+#
+# Only processes named by the pid files in that folder are signalled, and only when the process
+# behind the pid is still the daemon it should be (a recycled pid is left alone). Jobs still
+# queued or running are cancelled first, so no job step outlives its slurmd. Configuration, job
+# state, accounting data and logs stay, so the next start.sh continues where this one left off;
+# `rm -rf` the folder to forget them.
+set -euo pipefail
+
+root="${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}"
+run="$root/run"
+export SLURM_CONF="$root/etc/slurm.conf"
+started_at=$(date +%s.%N)
+
+# The pid in $1 if it is a live (not zombie) process named $2, else nothing. Zombies linger a few
+# seconds after exit here, so /proc/PID existing does not mean the daemon still runs.
+live_pid() {
+    local pidfile="$1" name="$2" pid state comm
+    [[ -s "$pidfile" ]] || return 0
+    pid="$(<"$pidfile")"
+    [[ "$pid" =~ ^[0-9]+$ ]] || return 0
+    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 0
+    [[ "$comm" == "$name" ]] || return 0
+    state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" || return 0
+    [[ "$state" == Z || "$state" == X ]] || echo "$pid"
+}
+
+# TERM the daemon, wait for it to go, KILL it after $3 seconds.
+stop_daemon() {
+    local pidfile="$run/$1" name="$2" patience="$3" pid waited=0
+    pid="$(live_pid "$pidfile" "$name")"
+    [[ -n "$pid" ]] || { rm -f "$pidfile"; return 0; }
+    kill -TERM "$pid" 2>/dev/null || true
+    while [[ -n "$(live_pid "$pidfile" "$name")" ]]; do
+        if ((waited >= patience * 10)); then
+            echo "slurm/stop.sh: $name (pid $pid) ignored SIGTERM for ${patience}s; sending SIGKILL" >&2
+            kill -KILL "$pid" 2>/dev/null || true
+            break
+        fi
+        sleep 0.1
+        waited=$((waited + 1))
+    done
+    rm -f "$pidfile"
+}
+
+if [[ ! -d "$run" ]]; then
+    echo "slurm/stop.sh: nothing to stop: $run does not exist" >&2
+    exit 0
+fi
+
+# Cancel jobs only through our own controller, and only if it answers.
+if [[ -n "$(live_pid "$run/slurmctld.pid" slurmctld)" ]]; then
+    jobs="$(squeue -h -o %i 2>/dev/null || true)"
+    if [[ -n "$jobs" ]]; then
+        # shellcheck disable=SC2086 # one id per word
+        scancel $jobs 2>/dev/null || true
+        for _ in $(seq 50); do
+            [[ -z "$(squeue -h -t running,completing -o %i 2>/dev/null || true)" ]] && break
+            sleep 0.1
+        done
+    fi
+fi
+
+stop_daemon slurmd.pid slurmd 10
+stop_daemon slurmctld.pid slurmctld 10
+stop_daemon slurmdbd.pid slurmdbd 10
+stop_daemon mariadb.pid mariadbd 30
+stop_daemon munged.pid munged 10
+
+awk -v a="$started_at" -v b="$(date +%s.%N)" 'BEGIN { printf "slurm/stop.sh: local Slurm stopped in %.1f s\n", b - a }' >&2
