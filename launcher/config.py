@@ -253,6 +253,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r}: must be an integer")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; people write it that way.
+            try:
+                value = float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} = {value!r}: must be a number")
         return float(value)

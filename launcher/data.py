@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from moetron.launcher.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, tokenizer_spec
+from moetron.launcher.tokenizer import Tokenizer, load_tokenizer, tokenizer_spec
 
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 
@@ -46,8 +46,8 @@ def tokenize_split(docs: Iterable[tuple[str, str]], tok: Tokenizer, val_fraction
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     parts: dict[str, list[np.ndarray]] = {"train": [], "val": []}
     for name, text in docs:
-        ids = tok.encode(text) + [tok.eos_id]
-        parts["val" if is_validation(name, val_fraction) else "train"].append(np.asarray(ids, dtype=dtype))
+        split = parts["val" if is_validation(name, val_fraction) else "train"]
+        split += [tok.encode_array(text).astype(dtype), np.array([tok.eos_id], dtype=dtype)]
     return {k: np.concatenate(v) if v else np.zeros(0, dtype) for k, v in parts.items()}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterable, Protocol
 
+import numpy as np
+
 
 class Tokenizer(Protocol):
     name: str
@@ -12,6 +14,8 @@ class Tokenizer(Protocol):
     eos_id: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_array(self, text: str) -> np.ndarray: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
@@ -25,6 +29,9 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
     def decode(self, ids: Iterable[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -48,6 +55,9 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.int64)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids))

@@ -1,0 +1,73 @@
+"""Config loading: presets, typed overrides, one-line errors with exit status 2."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moetron.launcher.config import Config, ConfigError, config_from_dict, load_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_every_preset_loads_and_validates():
+    presets = sorted(CONFIGS.glob("*.yaml"))
+    assert presets, "no presets in configs/"
+    for preset in presets:
+        cfg = load_config(preset)
+        assert cfg.train.name == preset.stem
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.moe.top_k=1", "model.moe.weighting=softmax",
+                                              "train.lr=1e-3", "train.name=x", "model.moe.capacity_factor=1.25",
+                                              "train.checkpoint.async=true"])
+    assert cfg.model.moe.top_k == 1 and isinstance(cfg.train.lr, float) and cfg.train.lr == 1e-3
+    assert cfg.model.moe.capacity_factor == 1.25 and cfg.train.checkpoint.async_save is True
+    assert cfg.train.name == "x"
+
+
+def test_round_trip_through_plain_data():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["model.n_kv_heads=2"])
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("override, expected", [
+    (["model.n_head=4"], "unknown key model.n_head (did you mean model.n_heads?)"),
+    (["train.stpes=4"], "did you mean train.steps?"),
+    (["model.n_heads=eight"], "model.n_heads = 'eight': must be an integer"),
+    (["model.n_kv_heads=3"], "model.n_kv_heads = 3: must divide n_heads (8)"),
+    (["model.moe.top_k=9"], "model.moe.top_k = 9: must be in 1..num_experts (8)"),
+    (["model.position=xpos"], "must be one of rope, alibi, sinusoidal, learned, none"),
+    (["train.grad_accum=3"], "train.grad_accum = 3: must divide batch_size (16)"),
+    (["parallel.tp=3"], "parallel.tp = 3: must divide model.n_heads (8)"),
+    (["parallel.ep=3", "parallel.dp=3", "train.batch_size=24"], "parallel.ep = 3: must divide model.moe.num_experts (8)"),
+    (["train.precision=fp8"], "must be one of auto, fp32, bf16"),
+    (["train.steps"], "expected key=value"),
+])
+def test_bad_input_names_key_value_and_rule(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "tiny.yaml", override)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config("does/not/exist.yaml")
+
+
+def test_cli_reports_one_line_and_exit_status_2(tmp_path):
+    for args, needle in [(["train", "nope.yaml"], "nope.yaml: no such config file"),
+                         (["train", str(CONFIGS / "tiny.yaml"), "model.d_modle=3"], "did you mean model.d_model?")]:
+        proc = subprocess.run([sys.executable, "-m", "moetron", *args], capture_output=True, text=True, cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert needle in proc.stderr
+        assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_defaults_are_a_valid_config():
+    Config()  # every section's defaults must build
