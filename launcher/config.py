@@ -76,6 +76,9 @@ class TrainConfig:
     # Intra-op CPU threads; 0 keeps torch's default.
     threads: int = 0
     compile: bool = False
+    # Per-device peak FLOP/s (in TFLOP/s) that MFU is measured against; 0: the GPU's bf16 dense
+    # peak from a table, or on CPU a matmul peak measured once and cached.
+    peak_tflops: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def problems(self) -> list[Problem]:
@@ -83,7 +86,7 @@ class TrainConfig:
         for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
             if getattr(self, k) < 1:
                 out.append((k, getattr(self, k), "must be >= 1"))
-        for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps"):
+        for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps", "peak_tflops"):
             if getattr(self, k) < 0:
                 out.append((k, getattr(self, k), "must be >= 0"))
         if self.min_lr > self.lr:
@@ -164,14 +167,7 @@ class Config:
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """Read a YAML preset, apply `a.b=value` overrides, build the typed config and validate it."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: no such config file (try configs/tiny.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must hold a mapping of sections (model:, train:, …)")
+    data = read_yaml_with_base(path)
     for item in overrides:
         apply_override(data, item)
     data.setdefault("train", {})
@@ -180,6 +176,32 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     cfg = from_dict(Config, data)
     validate(cfg)
     return cfg
+
+
+def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a preset; a top-level `base: other.yaml` (relative to this file) is read first and this
+    file's keys are merged over it, section by section."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such config file (try configs/tiny.yaml)")
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: `base:` chain loops back to itself")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must hold a mapping of sections (model:, train:, …)")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(read_yaml_with_base(path.parent / str(base), seen + (path.resolve(),)), data)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def config_from_dict(data: dict[str, Any]) -> Config:

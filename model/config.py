@@ -35,8 +35,10 @@ class MoEConfig:
     jitter: float = 0.0
     # An always-on expert beside the routed ones (DeepSeek-MoE); 0 disables it.
     shared_expert_d_ff: int = 0
-    # Layer i is MoE when (i + 1) % every == 0: 1 → every layer, 2 → every other layer.
+    # Layer i is MoE when i >= first_dense_layers and (i + 1) % every == 0: every=1 → every layer,
+    # 2 → every other layer (Switch, GShard); DeepSeek-MoE keeps its first layer dense.
     every: int = 1
+    first_dense_layers: int = 0
     # "grouped": one grouped GEMM over ragged expert groups; "loop": per-expert reference.
     experts_impl: Literal["grouped", "loop"] = "grouped"
 
@@ -58,7 +60,8 @@ class MoEConfig:
             if self.weighting == "renormalize" and self.top_k == 1:
                 # Renormalizing one probability makes every weight 1.0 and starves the router of gradient.
                 out.append(("weighting", self.weighting, "top_k=1 needs weighting=softmax (Switch)"))
-        for name in ("aux_loss_coef", "z_loss_coef", "jitter", "min_capacity", "d_expert", "shared_expert_d_ff"):
+        for name in ("aux_loss_coef", "z_loss_coef", "jitter", "min_capacity", "d_expert", "shared_expert_d_ff",
+                     "first_dense_layers"):
             if getattr(self, name) < 0:
                 out.append((name, getattr(self, name), "must be >= 0"))
         return out
@@ -109,7 +112,7 @@ class ModelConfig:
         return self.moe.d_expert or self.d_ff
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe.enabled and (layer + 1) % self.moe.every == 0
+        return self.moe.enabled and layer >= self.moe.first_dense_layers and (layer + 1) % self.moe.every == 0
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

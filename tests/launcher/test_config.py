@@ -71,3 +71,13 @@ def test_cli_reports_one_line_and_exit_status_2(tmp_path):
 
 def test_defaults_are_a_valid_config():
     Config()  # every section's defaults must build
+
+
+def test_base_presets_merge_section_by_section(tmp_path):
+    (tmp_path / "a.yaml").write_text("model:\n  d_model: 128\n  n_heads: 4\ntrain:\n  steps: 7\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nmodel:\n  n_heads: 2\n")
+    cfg = load_config(tmp_path / "b.yaml")
+    assert (cfg.model.d_model, cfg.model.n_heads, cfg.train.steps, cfg.train.name) == (128, 2, 7, "b")
+    (tmp_path / "c.yaml").write_text("base: c.yaml\n")
+    with pytest.raises(ConfigError, match="loops back"):
+        load_config(tmp_path / "c.yaml")

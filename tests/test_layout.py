@@ -1,0 +1,61 @@
+"""The direction of imports (DESIGN.md): configs → kernels → model → parallel → launcher, one way.
+
+Walks the source with `ast`, so the rule holds for lazy imports inside functions too.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = ["kernels", "model", "parallel", "launcher"]
+# What each folder may import from moetron.
+ALLOWED = {
+    "kernels": {"kernels"},
+    "model": {"model", "kernels"},
+    "parallel": {"parallel", "model", "kernels"},
+    "launcher": {"launcher", "parallel", "model", "kernels", "slurm", "configs"},
+}
+
+
+def imports_of(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import; use moetron.<folder> absolute imports")
+    return names
+
+
+@pytest.mark.parametrize("folder", FOLDERS)
+def test_imports_go_one_way(folder):
+    files = sorted((ROOT / folder).rglob("*.py"))
+    assert files
+    for path in files:
+        for name in imports_of(path):
+            parts = name.split(".")
+            if parts[0] == "moetron" and len(parts) > 1 and parts[1] not in ("__version__",):
+                assert parts[1] in ALLOWED[folder], f"{path.relative_to(ROOT)} imports {name}"
+            if folder in ("model", "kernels"):
+                assert not name.startswith("torch.distributed"), f"{path.relative_to(ROOT)} imports {name}"
+            for other in ("model", "kernels", "parallel", "launcher"):
+                # the bare folder names collide with other packages; always go through moetron.
+                assert parts[0] != other, f"{path.relative_to(ROOT)} imports {name}; use moetron.{name}"
+
+
+def test_no_work_at_import_time(tmp_path):
+    """Importing every module must not start threads, read data or import triton."""
+    import subprocess
+    import sys
+
+    code = ("import sys, threading\n"
+            "import moetron.model, moetron.kernels, moetron.parallel, moetron.launcher.cli\n"
+            "assert threading.active_count() == 1, threading.enumerate()\n"
+            "assert 'triton' not in sys.modules, 'triton imported at import time'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
