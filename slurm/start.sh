@@ -43,6 +43,8 @@ for tool in munged mungekey mariadbd mariadb-install-db slurmdbd slurmctld slurm
     command -v "$tool" >/dev/null || die "$tool not found; run slurm/install.sh first"
 done
 [[ $EUID -eq 0 ]] || die "the daemons run as root here (SlurmUser=root); run as root"
+# Unix socket paths are limited to 107 bytes; the MariaDB socket is the longest under run/.
+((${#db_socket} <= 107)) || die "MOETRON_SLURM_HOME=$root is too long for a unix socket path; use a folder under 80 characters"
 
 # True when the pid file names a live (not zombie) process whose executable is $2. Zombies linger
 # for a few seconds after exit, so existence of /proc/PID alone is not enough.
@@ -87,15 +89,16 @@ flock -w 120 9 || die "another slurm/start.sh holds $root/run/start.lock for ove
 
 daemons=(munged:munged.pid mariadbd:mariadb.pid slurmdbd:slurmdbd.pid slurmctld:slurmctld.pid slurmd:slurmd.pid)
 all_running=1
+any_running=0
 for entry in "${daemons[@]}"; do
-    alive "$root/run/${entry#*:}" "${entry%%:*}" || all_running=0
+    if alive "$root/run/${entry#*:}" "${entry%%:*}"; then any_running=1; else all_running=0; fi
 done
 if ((all_running)); then
     print_env
     exit 0
 fi
 
-# --- configuration (rewritten only when something must start, never under a running daemon) ---
+# --- configuration: written on a cold start; daemons restarted next to running ones reuse it ---
 
 alive "$root/run/munged.pid" munged || {
     [[ -s "$root/etc/munge.key" ]] || mungekey --create --keyfile="$root/etc/munge.key" >/dev/null
@@ -104,17 +107,19 @@ alive "$root/run/munged.pid" munged || {
 [[ -s "$root/etc/mariadb.pass" ]] || (umask 077 && head -c 18 /dev/urandom | base64 | tr -d '/+=' >"$root/etc/mariadb.pass")
 db_pass="$(<"$root/etc/mariadb.pass")"
 
-# The node line comes from slurmd itself, so CPUs and memory always match what it will report.
-node_line="$(slurmd -C | head -n 1)"
-[[ "$node_line" == NodeName=* ]] || die "slurmd -C printed '$node_line', expected a NodeName= line"
-node_line="NodeName=$host NodeAddr=127.0.0.1 ${node_line#NodeName=* }"
-overrides=""
-if [[ -n "${MOETRON_SLURM_CPUS:-}" ]]; then
-    node_line="NodeName=$host NodeAddr=127.0.0.1 CPUs=${MOETRON_SLURM_CPUS} $(grep -o 'RealMemory=[0-9]*' <<<"$node_line")"
-    overrides="SlurmdParameters=config_overrides"
-fi
+write_config() {
+    local node_line overrides
+    # The node line comes from slurmd itself, so CPUs and memory match what it will report.
+    node_line="$(slurmd -C | head -n 1)"
+    [[ "$node_line" == NodeName=* ]] || die "slurmd -C printed '$node_line', expected a NodeName= line"
+    node_line="NodeName=$host NodeAddr=127.0.0.1 ${node_line#NodeName=* }"
+    overrides=""
+    if [[ -n "${MOETRON_SLURM_CPUS:-}" ]]; then
+        node_line="NodeName=$host NodeAddr=127.0.0.1 CPUs=${MOETRON_SLURM_CPUS} $(grep -o 'RealMemory=[0-9]*' <<<"$node_line")"
+        overrides="SlurmdParameters=config_overrides"
+    fi
 
-cat >"$conf" <<EOF
+    cat >"$conf" <<EOF
 # Written by slurm/start.sh; rewritten on every cold start.
 ClusterName=$cluster
 SlurmctldHost=$host(127.0.0.1)
@@ -159,7 +164,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
 
-(umask 077 && cat >"$dbd_conf" <<EOF
+    (umask 077 && cat >"$dbd_conf" <<EOF
 # Written by slurm/start.sh. slurmdbd refuses this file unless it is mode 600.
 AuthType=auth/munge
 AuthInfo=socket=$munge_socket
@@ -176,8 +181,12 @@ StorageUser=slurm
 StoragePass=$db_pass
 StorageLoc=slurm_acct_db
 EOF
-)
-chmod 600 "$dbd_conf"
+    )
+    chmod 600 "$dbd_conf"
+}
+if ((!any_running)) || [[ ! -s "$conf" || ! -s "$dbd_conf" ]]; then
+    write_config
+fi
 export SLURM_CONF="$conf"
 
 # --- daemons, in dependency order ---
