@@ -1,0 +1,292 @@
+"""Hugging Face interop for the Mixtral layout: config.json ↔ ModelConfig, safetensors ↔ Decoder.
+
+Legend: E experts, D model dim, F expert hidden dim.
+
+Mixtral is a pre-norm RMSNorm decoder with RoPE (rotate-half layout, as here), GQA, no biases and
+every FFN a top-k MoE of SwiGLU experts with renormalized weights and no capacity limit. Expert
+weights appear in two layouts:
+  per expert (what `save_pretrained` writes, in every transformers version)
+      model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight  (F, D)  gate
+      ...                                          .w3.weight  (F, D)  up
+      ...                                          .w2.weight  (D, F)  down
+      model.layers.{i}.block_sparse_moe.gate.weight             (E, D)  router
+  fused (the module state of transformers 5.x, `mlp.` instead of `block_sparse_moe.`)
+      model.layers.{i}.mlp.experts.gate_up_proj  (E, 2F, D)  gate rows first, then up
+      model.layers.{i}.mlp.experts.down_proj     (E, D, F)
+      model.layers.{i}.mlp.gate.weight           (E, D)
+Both are read; the per-expert layout is written. Hugging Face stores Linear weights (out, in);
+our experts are input-major (E, in, out), so every expert matrix is transposed on the way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import Decoder
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# MixtralConfig's defaults, for keys a config.json leaves out.
+HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": None, "hidden_act": "silu",
+    "max_position_embeddings": 4096 * 32, "initializer_range": 0.02, "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False, "rope_theta": 1e6, "sliding_window": None, "num_experts_per_tok": 2,
+    "num_local_experts": 8, "router_aux_loss_coef": 0.001, "router_jitter_noise": 0.0,
+}
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """A Mixtral config.json (as a dict) → ModelConfig; ValueError for what moetron cannot express."""
+    if hf.get("model_type", "mixtral") != "mixtral":
+        raise ValueError(f"model_type {hf['model_type']!r}: only the Mixtral layout converts")
+    # null means "the default" except where it has a meaning of its own.
+    h = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k in ("head_dim", "sliding_window")}}
+    if "num_key_value_heads" in hf and hf["num_key_value_heads"] is None:
+        h["num_key_value_heads"] = h["num_attention_heads"]
+    if h["hidden_act"] != "silu":
+        raise ValueError(f"hidden_act {h['hidden_act']!r}: Mixtral experts are SwiGLU (silu)")
+    if h.get("attention_bias") or h.get("mlp_bias"):
+        raise ValueError("attention_bias/mlp_bias: Mixtral has no biases")
+    if h["num_experts_per_tok"] < 2:
+        # Mixtral renormalizes the kept weights, so top-1 gives every token weight 1.0; moetron's
+        # top-1 uses the raw probability (Switch) and refuses renormalization.
+        raise ValueError("num_experts_per_tok = 1: Mixtral's renormalized top-1 has no moetron equivalent")
+    theta, scaling, factor = _rope_from_hf(h)
+    # Sliding-window attention equals full attention on sequences no longer than the window.
+    max_seq_len = h["max_position_embeddings"]
+    if h["sliding_window"]:
+        max_seq_len = min(max_seq_len, h["sliding_window"])
+    head_dim = h["head_dim"] if h["head_dim"] not in (None, h["hidden_size"] // h["num_attention_heads"]) else None
+    return ModelConfig(
+        vocab_size=h["vocab_size"], d_model=h["hidden_size"], n_layers=h["num_hidden_layers"],
+        n_heads=h["num_attention_heads"], n_kv_heads=h["num_key_value_heads"], head_dim=head_dim,
+        d_ff=h["intermediate_size"], activation="swiglu", norm="rmsnorm", norm_eps=float(h["rms_norm_eps"]),
+        norm_position="pre", position="rope", rope_theta=float(theta), rope_scaling=scaling,
+        rope_scaling_factor=float(factor), max_seq_len=max_seq_len, dropout=0.0, bias=False,
+        tie_embeddings=bool(h["tie_word_embeddings"]), init_std=float(h["initializer_range"]),
+        moe=MoEConfig(num_experts=h["num_local_experts"], top_k=h["num_experts_per_tok"], capacity_factor=None,
+                      weighting="renormalize", aux_loss_coef=float(h["router_aux_loss_coef"]),
+                      jitter=float(h["router_jitter_noise"]), every=1))
+
+
+def _rope_from_hf(h: dict[str, Any]) -> tuple[float, str, float]:
+    """(theta, scaling, factor) from transformers 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
+    params = h.get("rope_parameters") or {}
+    legacy = h.get("rope_scaling") or {}
+    theta = params.get("rope_theta", h["rope_theta"])
+    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    if kind == "default":
+        return theta, "none", 1.0
+    if kind == "linear":
+        return theta, "linear", params.get("factor", legacy.get("factor", 1.0))
+    raise ValueError(f"rope type {kind!r}: only default and linear RoPE scaling convert")
+
+
+def hf_problems(cfg: ModelConfig) -> list[tuple[str, object, str]]:
+    """What keeps `cfg` from being a Mixtral, as (field, value, rule)."""
+    rules = [("norm", "rmsnorm"), ("norm_position", "pre"), ("position", "rope"), ("activation", "swiglu"),
+             ("bias", False)]
+    out = [(k, getattr(cfg, k), f"must be {want!r} for Mixtral") for k, want in rules if getattr(cfg, k) != want]
+    if cfg.rope_scaling not in ("none", "linear"):
+        out.append(("rope_scaling", cfg.rope_scaling, "must be none or linear for Mixtral"))
+    moe = cfg.moe
+    if not moe.enabled:
+        out.append(("moe.num_experts", moe.num_experts, "must be > 0: Mixtral is an MoE"))
+    if moe.every != 1:
+        out.append(("moe.every", moe.every, "must be 1: every Mixtral FFN is an MoE layer"))
+    if moe.shared_expert_d_ff:
+        out.append(("moe.shared_expert_d_ff", moe.shared_expert_d_ff, "must be 0: Mixtral has no shared expert"))
+    if moe.weighting != "renormalize":
+        out.append(("moe.weighting", moe.weighting, "must be renormalize: Mixtral renormalizes top-k weights"))
+    return out
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id: int | None = None) -> dict[str, Any]:
+    """ModelConfig → Mixtral config.json (readable by transformers 4.x and 5.x). `eos_id` is the
+    tokenizer's end-of-text token, so that Hugging Face's `generate` stops where ours does.
+
+    A capacity factor is not carried over: Hugging Face's Mixtral is dropless, which is also how
+    a capacity-trained model is best evaluated.
+    """
+    for key, value, rule in hf_problems(cfg):
+        raise ValueError(f"model.{key} = {value!r}: {rule}")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    legacy_scaling = None
+    if cfg.rope_scaling == "linear":
+        rope = {"rope_type": "linear", "rope_theta": cfg.rope_theta, "factor": cfg.rope_scaling_factor}
+        legacy_scaling = {"type": "linear", "rope_type": "linear", "factor": cfg.rope_scaling_factor}
+    dtype_name = next(name for name, dt in _DTYPES.items() if dt == dtype)
+    special = {} if eos_id is None else {"eos_token_id": eos_id}
+    return {
+        **special,
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_expert_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
+        "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling, "rope_parameters": rope,
+        "sliding_window": None, "attention_dropout": 0.0,
+        "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coef, "router_jitter_noise": cfg.moe.jitter,
+        "output_router_logits": False, "use_cache": True,
+        "dtype": dtype_name, "torch_dtype": dtype_name,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+
+_ATTN = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+         "attn.wo": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
+                    cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(moetron name, tensor) for every parameter, reading Hugging Face tensors through `get`."""
+    yield "embed.weight", get("model.embed_tokens.weight")
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for mine, theirs in _ATTN.items():
+            yield f"{ours}{mine}.weight", get(f"{hf}{theirs}.weight")
+        moe = f"{hf}block_sparse_moe." if f"{hf}block_sparse_moe.gate.weight" in keys else f"{hf}mlp."
+        yield f"{ours}ffn.router.gate.weight", get(f"{moe}gate.weight")
+        if f"{moe}experts.gate_up_proj" in keys:
+            gate_up_E2FD = get(f"{moe}experts.gate_up_proj")
+            gate_EFD, up_EFD = gate_up_E2FD.chunk(2, dim=1)
+            gate_EDF, up_EDF = gate_EFD.transpose(1, 2), up_EFD.transpose(1, 2)
+            down_EFD = get(f"{moe}experts.down_proj").transpose(1, 2)
+        else:
+            def stack(name: str) -> torch.Tensor:
+                return torch.stack([get(f"{moe}experts.{e}.{name}.weight").t() for e in range(cfg.moe.num_experts)])
+
+            gate_EDF, up_EDF, down_EFD = stack("w1"), stack("w3"), stack("w2")
+        yield f"{ours}ffn.experts.w_gate_EDF", gate_EDF
+        yield f"{ours}ffn.experts.w_up_EDF", up_EDF
+        yield f"{ours}ffn.experts.w_down_EFD", down_EFD
+    yield "norm.weight", get("model.norm.weight")
+    if not cfg.tie_embeddings:
+        yield "head.weight", get("lm_head.weight")
+
+
+def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, contiguous tensor) in the per-expert layout `save_pretrained` writes."""
+    cfg, sd = model.cfg, model.state_dict()
+    yield "model.embed_tokens.weight", sd["embed.weight"]
+    for i in range(cfg.n_layers):
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        for mine, theirs in _ATTN.items():
+            yield f"{hf}{theirs}.weight", sd[f"{ours}{mine}.weight"]
+        moe = f"{hf}block_sparse_moe."
+        yield f"{moe}gate.weight", sd[f"{ours}ffn.router.gate.weight"]
+        for name, key in (("w1", "w_gate_EDF"), ("w3", "w_up_EDF"), ("w2", "w_down_EFD")):
+            w_E = sd[f"{ours}ffn.experts.{key}"]
+            for e in range(cfg.moe.num_experts):
+                yield f"{moe}experts.{e}.{name}.weight", w_E[e].t().contiguous()
+    yield "model.norm.weight", sd["norm.weight"]
+    if not cfg.tie_embeddings:
+        yield "lm_head.weight", sd["head.weight"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders
+
+
+def load_hf(hf_dir: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:
+    """Build a Decoder from a Hugging Face Mixtral folder (config.json + safetensors, sharded or not).
+
+    `dtype` defaults to the checkpoint's. Tensors are read one at a time from memory-mapped files.
+    """
+    from safetensors import safe_open
+
+    hf_dir = Path(hf_dir)
+    hf_cfg = json.loads((hf_dir / CONFIG_FILE).read_text())
+    cfg = config_from_hf(hf_cfg)
+    files = _weight_files(hf_dir)
+    handles = {f: safe_open(str(f), framework="pt") for f in set(files.values())}
+    if dtype is None:
+        dtype = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "", None)
+        if dtype is None:
+            dtype = handles[files["model.embed_tokens.weight"]].get_tensor("model.embed_tokens.weight").dtype
+
+    def get(key: str) -> torch.Tensor:
+        if key not in files:
+            raise KeyError(f"{hf_dir}: tensor {key} missing from the safetensors files")
+        return handles[files[key]].get_tensor(key)
+
+    with torch.device("cpu"):
+        model = Decoder(cfg).to(dtype)
+    params = model.state_dict()
+    loaded = set()
+    with torch.no_grad():
+        for name, tensor in tensors_from_hf(get, set(files), cfg):
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{hf_dir}: {name} has shape {tuple(tensor.shape)}, the config implies "
+                                 f"{tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
+    missing = set(params) - loaded - ({"head.weight"} if cfg.tie_embeddings else set())
+    if missing:
+        raise ValueError(f"{hf_dir}: no weights for {sorted(missing)[:3]}")
+    return model
+
+
+def save_hf(model: Decoder, out_dir: str | Path, *, eos_id: int | None = None,
+            max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write config.json and safetensors shards (with an index when there is more than one)."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = model.embed.weight.dtype
+    (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.cfg, dtype, eos_id=eos_id), indent=2) + "\n")
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors_to_hf(model):
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor.detach().cpu().contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        names = [WEIGHTS_FILE]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    if len(shards) > 1:
+        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
+        (out_dir / INDEX_FILE).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+    return [out_dir / n for n in names]
+
+
+def _weight_files(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file holding it."""
+    from safetensors import safe_open
+
+    index = hf_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: hf_dir / f for k, f in weight_map.items()}
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (only safetensors weights convert)")
+    out = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
