@@ -334,4 +334,25 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
     if p.pp > 1 and micro % p.microbatches:
         out.append(("parallel.microbatches", p.microbatches,
                     f"must divide the per-rank micro-batch ({micro} sequences)"))
+    if p.pp > 1 and m.tie_embeddings:
+        out.append(("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) with parallel.pp > 1"))
+    if p.sequence_parallel and p.tp > 1:
+        if t.seq_len % p.tp:
+            out.append(("train.seq_len", t.seq_len, f"must be divisible by parallel.tp ({p.tp}) with sequence_parallel"))
+        if p.pp > 1:
+            out.append(("parallel.sequence_parallel", True, "is not supported with parallel.pp > 1 yet"))
+        if m.position in ("learned", "sinusoidal"):
+            out.append(("parallel.sequence_parallel", True,
+                        f"needs positions applied inside attention (rope, alibi, none), not model.position={m.position}"))
     return out
+
+
+def validate_launch(cfg: Config, world_size: int) -> None:
+    """Check the layout against the launched ranks, before any process group starts."""
+    p = cfg.parallel
+    if p.world_size != world_size:
+        raise ConfigError(f"parallel.pp × dp × tp = {p.pp} × {p.dp} × {p.tp} = {p.world_size}: must equal the "
+                          f"number of launched ranks ({world_size})")
+    if p.pp > 1 and p.vpp > 1:
+        raise ConfigError(f"parallel.vpp = {p.vpp}: the trainer checkpoints one pipeline stage per rank; "
+                          "use vpp=1 (interleaved schedules run in parallelize() and its tests)")

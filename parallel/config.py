@@ -37,8 +37,12 @@ class ParallelConfig:
             return out
         if self.dp % self.ep:
             out.append(("ep", self.ep, f"must divide dp ({self.dp}): experts are sharded over data-parallel ranks"))
-        if self.vpp > 1 and self.schedule != "interleaved_1f1b":
-            out.append(("vpp", self.vpp, "virtual stages need schedule=interleaved_1f1b"))
+        if self.vpp > 1 and self.schedule not in ("interleaved_1f1b", "zero_bubble"):
+            out.append(("vpp", self.vpp, "virtual stages need schedule=interleaved_1f1b or zero_bubble"))
         if self.pp > 1 and self.microbatches < self.pp:
             out.append(("microbatches", self.microbatches, f"must be >= pp ({self.pp}) to fill the pipeline"))
+        rounds = max(1, self.microbatches // self.pp)
+        if self.pp > 1 and self.schedule in ("interleaved_1f1b", "zero_bubble") and self.microbatches % rounds:
+            out.append(("microbatches", self.microbatches,
+                        f"must be a multiple of microbatches // pp ({rounds}) for schedule={self.schedule}"))
         return out

@@ -1,0 +1,114 @@
+"""Data parallelism: FSDP2 (`fully_shard`, ZeRO-3-like) or replication (DDP semantics), gradient
+accumulation, and the global gradient norm of a model split every which way.
+
+How parameters are split across the dp ranks of mesh["dp"] (= "edp" × "ep"):
+  dp_mode=fsdp  every parameter Shard(0) over dp (on top of any TP split: a 2-D DTensor);
+                gathered per block for forward and backward, gradients reduce-scattered.
+  dp_mode=ddp   every parameter replicated over dp, gradients all-reduced (averaged).
+Routed experts under expert parallelism are a separate unit on mesh["edp"] (the ranks holding
+the same experts): their gradients are summed there and divided by dp, not by |edp|, because
+the all-to-all backward has already summed the contributions of the ep ranks' tokens.
+
+Wrapping units: each block (attention + FFN/MoE), the experts of each MoE block (when ep > 1),
+the embedding, and the final norm with the head; the whole stage module is the root.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+
+from moetron.model.moe import MoELayer
+from moetron.model.transformer import Decoder
+from moetron.parallel.config import ParallelConfig
+from moetron.parallel.mesh import ParallelMesh
+
+
+def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig) -> None:
+    """Wrap `model` (a Decoder or one pipeline stage of it) for data parallelism, in place."""
+    if cfg.dp == 1:
+        return
+    dp_mesh, edp_mesh = mesh.sub("dp"), mesh.sub("edp")
+
+    def wrap(module, on):
+        if cfg.dp_mode == "fsdp":
+            return fully_shard(module, mesh=on)
+        return replicate(module, mesh=on)
+
+    for block in model.layers.values():
+        if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
+            wrap(block.ffn.experts, edp_mesh)
+            block.ffn.experts.set_gradient_divide_factor(float(cfg.dp))
+        wrap(block, dp_mesh)
+    if model.embed is not None:
+        wrap(model.embed, dp_mesh)
+    tail = [m for m in (model.norm, model.head) if m is not None]
+    if tail:
+        wrap(tail, dp_mesh)
+    wrap(model, dp_mesh)
+
+
+def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
+    """Gradient accumulation: skip the dp reduction on all but the last micro-batch (the local
+    gradients accumulate unsharded meanwhile)."""
+    for root in modules:
+        for m in root.modules():
+            if isinstance(m, FSDPModule):
+                m.set_requires_gradient_sync(enabled, recurse=False)
+
+
+def _distinct_shards(name: str, grad: torch.Tensor, expert_sharded: set[str], ep: int) -> int:
+    """Into how many distinct pieces this parameter is split within one pipeline stage."""
+    pieces = 1
+    if isinstance(grad, DTensor):
+        for size, placement in zip(grad.device_mesh.shape, grad.placements):
+            # Any split counts, including FSDP-over-TP's _StridedShard (whose is_shard() is False).
+            if not (placement.is_replicate() or placement.is_partial()):
+                pieces *= size
+    if name in expert_sharded:
+        pieces *= ep
+    return pieces
+
+
+@torch.no_grad()
+def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: float, mesh: ParallelMesh,
+                    expert_sharded: set[str]) -> torch.Tensor:
+    """Clip the gradients of the whole model (every stage, shard and expert) to `max_norm` in
+    global L2 norm; return that norm (before clipping), the same on every rank.
+
+    Each rank sums the squares of its local gradient pieces, each weighted by 1 / (number of
+    ranks in its stage holding that same piece), and one all_reduce over the world adds it up:
+    replicated copies count once, shards count once each, pipeline stages are disjoint.
+    """
+    cfg = mesh.cfg
+    ranks_per_stage = cfg.dp * cfg.tp
+    grads: list[torch.Tensor] = []
+    squares: list[torch.Tensor] = []
+    for name, p in named_params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            # Under sequence parallel a replicated weight (norm gain) gets a Partial gradient
+            # (one partial sum per S slice); sum it now so norms and updates see the full one.
+            p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        copies = ranks_per_stage / _distinct_shards(name, p.grad, expert_sharded, cfg.ep)
+        squares.append(local.double().square().sum() / copies)
+        grads.append(local)
+    device = grads[0].device if grads else torch.device(mesh.device_type)
+    total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    norm = total.sqrt().float()
+    if max_norm > 0 and math.isfinite(max_norm):
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.device, g.dtype))
+    return norm

@@ -1,0 +1,132 @@
+"""Expert parallelism: experts sharded over the "ep" mesh dim, tokens moved there by all-to-all.
+
+Legend: T tokens on this rank, D model dim, E experts in the model, El = E / ep experts held here,
+A routes this rank sends (kept routes of its own tokens), R rows this rank receives, P ep ranks.
+
+Each MoELayer keeps its single-device code; `apply_expert_parallel` only
+  1. shrinks `experts.w_*` from (E, ·, ·) to the (El, ·, ·) slice this ep rank owns: rank p holds
+     experts [p·El, (p+1)·El), so a checkpoint key names the same rows on every layout;
+  2. swaps `moe.dispatcher` for an `AllToAllDispatcher`.
+
+The dispatcher reuses the local permutation (routes sorted by global expert id, which is also
+sorted by destination rank), then:
+  counts    all_to_all of per-expert route counts (E ints) → how many rows each rank receives;
+  dispatch  all_to_all of the rows with uneven splits, then a local regroup from
+            (source rank, local expert) order to (local expert, source rank) order;
+  combine   the inverse regroup, the reverse all_to_all, then the local weighted sum.
+Both row exchanges are `all_to_all_single_autograd`, so the backward pass sends gradients the
+opposite way. Capacity drops happen in the router, before dispatch, on this rank's own tokens,
+so capacity and dropless routing go through the same path.
+
+Gradient bookkeeping (see mesh.py): an expert's gradient on its owner is the sum over the
+tokens of all ep ranks; it is then reduced over "edp" (the ranks holding the same experts) and
+divided by dp by the data-parallel wrapper.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from moetron.model.moe import DispatchState, LocalDispatcher, MoELayer
+from moetron.model.router import Routing
+from moetron.parallel.mesh import ParallelMesh
+
+EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+
+
+@dataclass
+class AllToAllState:
+    """What `combine` needs to undo `dispatch`."""
+
+    local: DispatchState
+    regroup_R: torch.Tensor  # received row order → (local expert, source) order
+    send_splits: list[int]  # rows sent to each ep rank
+    recv_splits: list[int]  # rows received from each ep rank
+
+
+class AllToAllDispatcher:
+    """Dispatch routes to the ep rank owning their expert and bring the outputs back."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep
+        self.local = LocalDispatcher()
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
+        """→ x_RD (this rank's experts' rows, grouped by local expert), offsets_El, state."""
+        P, El = self.ep, self.local_experts
+        x_AD, offsets_E, local_state = self.local.dispatch(x_TD, routing)
+        counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).to(torch.int64)
+        # Counts first: every rank must know how many rows it receives before the rows move.
+        recv_counts_PEl = torch.empty_like(counts_E)
+        dist.all_to_all_single(recv_counts_PEl, counts_E, group=self.group)
+        recv_counts_PEl = recv_counts_PEl.view(P, El)
+        # NOTE: host-device sync: all_to_all split sizes are host integers.
+        send_splits = counts_E.view(P, El).sum(1).tolist()
+        recv_splits = recv_counts_PEl.sum(1).tolist()
+        x_RD = all_to_all_single_autograd(x_AD, recv_splits, send_splits, self.group)
+        regroup_R = _source_major_to_expert_major(recv_counts_PEl)
+        offsets_El = torch.cumsum(recv_counts_PEl.sum(0), 0).to(torch.int32)
+        return x_RD[regroup_R], offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
+
+    def combine(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
+        """y_RD in (local expert, source) order → y_TD of this rank's tokens."""
+        y_source_major_RD = torch.empty_like(y_RD).index_copy(0, state.regroup_R, y_RD)
+        y_AD = all_to_all_single_autograd(y_source_major_RD, state.send_splits, state.recv_splits, self.group)
+        return self.local.combine(y_AD, state.local)
+
+
+def _source_major_to_expert_major(counts_PEl: torch.Tensor) -> torch.Tensor:
+    """Row permutation taking rows laid out as blocks (source p, expert e) in p-major order to
+    e-major order (all of expert 0 from every source, then expert 1, …)."""
+    P, El = counts_PEl.shape
+    block_R = torch.repeat_interleave(torch.arange(P * El, device=counts_PEl.device), counts_PEl.reshape(-1))
+    source_R, expert_R = block_R // El, block_R % El
+    return torch.argsort(expert_R * P + source_R, stable=True)
+
+
+def shard_experts(moe: MoELayer, ep: int, ep_rank: int) -> None:
+    """Replace the (E, ·, ·) expert weights by this rank's (E/ep, ·, ·) rows, on the same device
+    (meta before materialization), keeping parameter names."""
+    experts = moe.experts
+    for name in EXPERT_WEIGHTS:
+        w = getattr(experts, name)
+        if w is None:
+            continue
+        rows = w.shape[0] // ep
+        local = w.detach()[ep_rank * rows : (ep_rank + 1) * rows].clone()
+        setattr(experts, name, nn.Parameter(local, requires_grad=w.requires_grad))
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoELayer)]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> set[str]:
+    """Shard every MoELayer's experts over mesh["ep"] and swap in the all-to-all dispatcher.
+
+    Returns the parameter names now holding an E/ep slice (for initialization and grad norms).
+    """
+    ep = mesh.size("ep")
+    sharded: set[str] = set()
+    if ep == 1:
+        return sharded
+    group, ep_rank = mesh.group("ep"), mesh.rank("ep")
+    for name, moe in moe_layers(model):
+        num_experts = moe.experts.w_gate_EDF.shape[0]
+        shard_experts(moe, ep, ep_rank)
+        moe.dispatcher = AllToAllDispatcher(group, num_experts)
+        sharded |= {f"{name}.experts.{w}" for w in EXPERT_WEIGHTS if getattr(moe.experts, w) is not None}
+    return sharded
+
+
+def is_expert_param(name: str) -> bool:
+    """True for routed-expert weights: replicated over TP, sharded over EP, reduced over "edp"."""
+    return ".experts." in name and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS

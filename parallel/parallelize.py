@@ -1,0 +1,204 @@
+"""One entry point: a meta-device Decoder + mesh + layout → this rank's trainable parts.
+
+Order (fixed; each step sees the previous one's result, as in torchtitan):
+  pipeline split → tensor (+ sequence) parallel → expert parallel → activation checkpointing
+  → compile → data parallel (FSDP2 / replicate) → materialize and initialize.
+The model is a meta-device shell until the last step, so it never exists whole on one rank; the
+initial weights equal the single-process ones for the same seed (see materialize.py).
+
+`ParallelModel` then runs a training step the same way on every layout: the sampler's global
+batch → this dp rank's slice → micro-batches (accumulation, and pipeline micro-batches within
+each) → forward/backward with the MoE aux losses in the gradient → global gradient norm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from dataclasses import dataclass
+from itertools import chain
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils.checkpoint import checkpoint
+
+from moetron.model.transformer import Decoder
+from moetron.parallel.config import ParallelConfig
+from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_, set_gradient_sync
+from moetron.parallel.expert_parallel import apply_expert_parallel
+from moetron.parallel.materialize import materialize_and_init
+from moetron.parallel.mesh import ParallelMesh
+from moetron.parallel.pipeline import Pipeline, StepRecord, attach_stage_output, build_pipeline, split_stage, stages_of_rank
+from moetron.parallel.tensor_parallel import apply_tensor_parallel
+
+CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def apply_activation_checkpointing(model: Decoder) -> None:
+    """Recompute each block in backward instead of keeping its activations (names unchanged)."""
+    for block in model.layers.values():
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def apply_compile(model: Decoder) -> None:
+    """Compile block by block: small graphs, one compilation reused by identical blocks."""
+    for block in model.layers.values():
+        block.compile()
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (the loss under loss_parallel) as a plain tensor, differentiably."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class StepLosses:
+    """This rank's view of one step: mean CE and aux over its micro-batches, and router stats."""
+
+    ce: torch.Tensor
+    aux: torch.Tensor
+    moe: dict
+
+
+@dataclass
+class ParallelModel:
+    """This rank's parts of the model and how to run them."""
+
+    modules: list[Decoder]  # one per pipeline stage held here; one in total without PP
+    mesh: ParallelMesh
+    cfg: ParallelConfig
+    expert_sharded: set[str]
+    pipeline: Pipeline | None
+    cross_entropy: CrossEntropy
+
+    @property
+    def module(self) -> Decoder:
+        """The single part (optimizer, checkpoint); interleaved pipelines hold several."""
+        if len(self.modules) != 1:
+            raise ValueError(f"this rank holds {len(self.modules)} pipeline stages; use .modules")
+        return self.modules[0]
+
+    def named_parameters(self):
+        seen: set[int] = set()
+        for name, p in chain.from_iterable(m.named_parameters() for m in self.modules):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def local_batch(self, batch_BS: torch.Tensor) -> torch.Tensor:
+        """This dp rank's contiguous slice of the global batch (dp must divide it)."""
+        return batch_BS.chunk(self.cfg.dp)[self.mesh.rank("dp")]
+
+    def loss_context(self):
+        # Vocab-parallel logits: cross entropy without gathering V (forward and backward).
+        return loss_parallel() if self.cfg.tp > 1 else contextlib.nullcontext()
+
+    def forward_backward(self, batch_BS1: torch.Tensor, *, grad_accum: int, autocast) -> StepLosses:
+        """Accumulate gradients of (1/grad_accum) Σ (CE + aux) over this rank's micro-batches.
+
+        batch_BS1: this rank's slice (inputs and shifted targets in one window of S + 1).
+        """
+        if self.pipeline is not None:
+            return self._pipeline_forward_backward(batch_BS1, grad_accum, autocast)
+        model = self.module
+        ce_sum = aux_sum = 0.0
+        moe: dict = {}
+        for i, micro_BS1 in enumerate(batch_BS1.chunk(grad_accum)):
+            set_gradient_sync(self.modules, i == grad_accum - 1)
+            with self.loss_context():
+                with autocast():
+                    out = model(micro_BS1[:, :-1])
+                    ce = _plain(self.cross_entropy(out.logits_BSV, micro_BS1[:, 1:]))
+                ((ce + out.aux_loss) / grad_accum).backward()
+            ce_sum, aux_sum, moe = ce_sum + ce.detach(), aux_sum + out.aux_loss.detach(), out.moe
+        return StepLosses(ce_sum / grad_accum, aux_sum / grad_accum, moe)
+
+    def _pipeline_forward_backward(self, batch_BS1, grad_accum, autocast, *, train: bool = True) -> StepLosses:
+        pipe = self.pipeline
+        _reset(pipe.record)
+        n = grad_accum * self.cfg.microbatches
+        for micro_BS1 in batch_BS1.chunk(grad_accum):
+            with self.loss_context(), autocast():
+                pipe.step(micro_BS1[:, :-1], micro_BS1[:, 1:], 1.0 / n, train=train)
+        rec = pipe.record
+        zero = torch.zeros((), device=batch_BS1.device)
+        ce = torch.stack([_plain(c).float() for c in rec.ce]).sum() / n if rec.ce else zero
+        aux = torch.stack([a.float() for a in rec.aux]).sum() / n if rec.aux else zero
+        return StepLosses(ce, aux, dict(rec.moe))
+
+    @torch.no_grad()
+    def evaluate(self, batch_BS1: torch.Tensor, autocast) -> torch.Tensor:
+        """Mean CE of this rank's slice of one validation batch (see `global_losses`)."""
+        for m in self.modules:
+            m.eval()
+        try:
+            if self.pipeline is not None:
+                return self._pipeline_forward_backward(batch_BS1, 1, autocast, train=False).ce
+            with self.loss_context(), autocast():
+                return _plain(self.cross_entropy(self.module(batch_BS1[:, :-1]).logits_BSV, batch_BS1[:, 1:]))
+        finally:
+            for m in self.modules:
+                m.train()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_(self.named_parameters(), max_norm, self.mesh, self.expert_sharded)
+
+    def global_losses(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, float]:
+        """Mean over dp ranks of CE (held by the last stage) and of the aux loss summed over
+        stages — the numbers one process would report for the same global batch."""
+        holds_ce = self.pipeline is None or self.pipeline.has_last
+        counts = self.mesh.rank("tp") == 0  # tp ranks hold copies of the same values
+        t = torch.stack([ce.detach().float() * (holds_ce and counts), aux.detach().float() * counts]) / self.cfg.dp
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        # NOTE: host-device sync to read the losses.
+        ce_v, aux_v = t.tolist()
+        return ce_v, aux_v
+
+
+def _reset(record: StepRecord) -> None:
+    record.ce.clear()
+    record.aux.clear()
+    record.moe.clear()
+
+
+def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
+                cross_entropy: CrossEntropy, activation_checkpoint: bool = False, compile: bool = False) -> ParallelModel:
+    """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
+
+    cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
+    under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
+    """
+    if any(not p.is_meta for p in meta_model.parameters()):
+        raise ValueError("parallelize expects a model built on the meta device (build_model(cfg, device='meta'))")
+    full_meta = copy.deepcopy(meta_model)
+    record = StepRecord()
+    if cfg.pp > 1:
+        num_stages = cfg.pp * cfg.vpp
+        parts = {s: split_stage(meta_model, s, num_stages) for s in stages_of_rank(mesh.rank("pp"), cfg)}
+        for part in parts.values():
+            attach_stage_output(part, record)
+    else:
+        parts = {0: meta_model}
+    expert_sharded: set[str] = set()
+    for part in parts.values():
+        apply_tensor_parallel(part, mesh, cfg)
+        expert_sharded |= apply_expert_parallel(part, mesh)
+        if activation_checkpoint:
+            apply_activation_checkpointing(part)
+        if compile:
+            apply_compile(part)
+        apply_data_parallel(part, mesh, cfg)
+    ep, ep_rank = mesh.size("ep"), mesh.rank("ep")
+
+    def ep_slice(name: str, full: torch.Tensor) -> torch.Tensor:
+        return full.chunk(ep)[ep_rank] if name in expert_sharded else full
+
+    materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=ep_slice)
+    pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy) if cfg.pp > 1 else None
+    return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy)

@@ -1,0 +1,173 @@
+"""Pipeline parallelism: the Decoder split by layers into stages, run by a
+`torch.distributed.pipelining` schedule (GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble).
+
+Legend: B sequences per pipeline step on this dp rank, M micro-batches, S sequence, D model dim,
+V vocabulary, pp ranks, vpp virtual stages per rank, N = pp × vpp stages.
+
+Stage s owns layers [s·L/N, (s+1)·L/N); the first also owns the embedding, the last the final
+norm, the head and the loss. Rank r holds stages r, r + pp, r + 2·pp, … (loop placement, what
+the interleaved schedules expect). A stage is a pruned deep copy of the meta-device Decoder, so
+its parameter names are the full model's names ("layers.5.attn.wq.weight" on every layout).
+
+MoE aux and z losses: every stage's routers produce them, but only the last stage has a loss.
+Each stage's output passes through `_AddAuxLossGrad`, an identity in forward whose backward also
+returns d(loss)/d(aux) = the loss scale for the stage's summed aux loss — exactly what adding
+`scale · aux` to the final loss would give. It rides on the activation every schedule already
+differentiates (also the zero-bubble split into input and weight gradients, since the aux graph
+hangs off the stage's own forward), so no schedule can drop it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+from moetron.model.transformer import Decoder, ModelOutput
+from moetron.parallel.config import ParallelConfig
+from moetron.parallel.mesh import ParallelMesh
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleInterleavedZeroBubble,
+}
+MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
+
+
+class _AddAuxLossGrad(torch.autograd.Function):
+    """y = x in forward; in backward dL/dx = dL/dy and dL/daux = scale."""
+
+    @staticmethod
+    def forward(ctx, x, aux, scale: float):
+        ctx.scale = scale
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        shape, dtype, device = ctx.aux_meta
+        return grad_y, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+@dataclass
+class StepRecord:
+    """What the stages of this rank saw during one pipeline step (for losses and dashboards)."""
+
+    loss_scale: float = 1.0
+    ce: list[torch.Tensor] = field(default_factory=list)  # last stage: unscaled CE per micro-batch
+    aux: list[torch.Tensor] = field(default_factory=list)  # each stage × micro-batch: summed aux
+    moe: dict = field(default_factory=dict)  # layer → MoEStats of the latest micro-batch
+
+
+def stages_of_rank(pp_rank: int, cfg: ParallelConfig) -> list[int]:
+    return list(range(pp_rank, cfg.pp * cfg.vpp, cfg.pp))
+
+
+def split_stage(meta_model: Decoder, stage: int, num_stages: int) -> Decoder:
+    """A deep copy of the (meta) model keeping only what stage `stage` of `num_stages` runs."""
+    n_layers = len(meta_model.layers)
+    per = n_layers // num_stages
+    part = copy.deepcopy(meta_model)
+    part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(stage * per, (stage + 1) * per)})
+    if stage != 0:
+        part.embed = part.pos_embed = None
+    if stage != num_stages - 1:
+        part.norm = part.head = None
+    return part
+
+
+def attach_stage_output(module: Decoder, record: StepRecord) -> None:
+    """Make a stage return the tensor the schedule sends on (hidden states or logits) with the
+    stage's aux loss attached for backward. Registered before data parallelism wraps the stage,
+    so FSDP's own forward hooks see a plain tensor."""
+    module.register_forward_hook(_stage_output_hook(record))
+
+
+def _stage_output_hook(record: StepRecord):
+
+    def hook(module, args, output: ModelOutput):
+        record.aux.append(output.aux_loss.detach())
+        record.moe.update(output.moe)
+        return _AddAuxLossGrad.apply(output.logits_BSV, output.aux_loss, record.loss_scale)
+
+    return hook
+
+
+@dataclass
+class Pipeline:
+    """The stages this rank runs and the schedule that runs them."""
+
+    modules: list[Decoder]
+    stage_ids: list[int]
+    num_stages: int
+    schedule: object
+    record: StepRecord
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, loss_scale: float, *, train: bool = True) -> None:
+        """One pipeline pass over B sequences in M micro-batches; backward too when `train`.
+
+        Every rank passes the same (inputs, targets); only the first and last stage use them.
+        Gradients accumulate `loss_scale × Σ_micro-batches (CE + aux)`.
+        """
+        rec = self.record
+        rec.loss_scale = loss_scale
+        args = (inputs_BS,) if self.has_first else ()
+        kwargs = {"target": targets_BS, "losses": []} if self.has_last else {}
+        run = self.schedule.step if train else self.schedule.eval
+        n_aux, n_ce = len(rec.aux), len(rec.ce)
+        run(*args, **kwargs)
+        # The schedule's first call (and its first after a train/eval switch) runs each stage once
+        # more, on placeholder inputs, to infer shapes; drop what those runs recorded (they come first).
+        microbatches = self.schedule._n_microbatches
+        _drop_leading(rec.aux, n_aux, microbatches * len(self.modules))
+        _drop_leading(rec.ce, n_ce, microbatches if self.has_last else 0)
+
+
+def _drop_leading(items: list, start: int, expected: int) -> None:
+    extra = len(items) - start - expected
+    if extra > 0:
+        del items[start : start + extra]
+
+
+def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: ParallelMesh, cfg: ParallelConfig,
+                   device: torch.device, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+    """Wrap materialized stage modules into PipelineStages and build the configured schedule.
+
+    cross_entropy(logits_BSV, targets_BS) → mean next-token loss of one micro-batch.
+    """
+    num_stages = cfg.pp * cfg.vpp
+    stages = []
+    for sid, module in stage_modules.items():
+        stages.append(PipelineStage(module, sid, num_stages, device, group=mesh.group("pp")))
+
+    def loss_fn(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        ce = cross_entropy(logits_BSV, targets_BS)
+        record.ce.append(ce.detach())
+        return ce * record.loss_scale
+
+    cls = SCHEDULES[cfg.schedule]
+    # scale_grads=False: the loss scale (1 / (micro-batches × accumulation)) is applied in
+    # loss_fn and to the aux gradient, so both are scaled once and identically.
+    first = stages if cfg.schedule in MULTI_STAGE else stages[0]
+    schedule = cls(first, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
+    return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record)

@@ -1,0 +1,116 @@
+"""Tensor parallelism (Megatron split) and sequence parallelism with DTensor `parallelize_module`.
+
+Legend: B batch, S sequence, D model dim, H heads, G KV heads, F FFN hidden, V vocabulary, tp ranks.
+
+How each weight is split across the tp ranks of mesh["tp"]:
+  embed.weight            Shard(0): V/tp rows each (vocab-parallel embedding; masked lookup + all-reduce,
+                          or reduce-scatter over S under sequence parallel)
+  attn.wq / wk / wv       Shard(0): H/tp query heads and G/tp KV heads each (column parallel), so
+                          GQA groups stay whole on one rank; attention runs on local heads only
+  attn.wo                 Shard(1): row parallel, all-reduce (or reduce-scatter over S) after
+  dense ffn w_gate / w_up Shard(0) column parallel; w_down Shard(1) row parallel
+  head.weight             Shard(0): logits stay split over V; the loss is computed by
+                          `loss_parallel` without gathering them
+  norms, router, experts  replicated (expert-TP = 1); under plain TP every tp rank sees the same
+                          tokens, so their gradients are already equal and need no reduction.
+
+Sequence parallel (cfg.sequence_parallel): between the blocks' matmuls the residual stream is split
+over S (Shard(1), B × S/tp × D per rank); norms and dropout run on the local slice, their weight
+gradients are summed over tp by DTensor. Entering attention or the dense FFN all-gathers S;
+leaving them reduce-scatters. The MoE layer gathers S too and slices its output back: routing,
+capacity and the load-balancing loss must see the same tokens as on one process.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from moetron.model.attention import Attention
+from moetron.model.layers import FeedForward
+from moetron.model.moe import MoELayer
+from moetron.model.transformer import Decoder
+from moetron.parallel.config import ParallelConfig
+from moetron.parallel.mesh import ParallelMesh
+
+
+def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig) -> None:
+    """Shard `model` (a whole Decoder or one pipeline stage of it) over mesh["tp"] in place."""
+    if cfg.tp == 1:
+        return
+    tp_mesh = mesh.sub("tp")
+    sp = cfg.sequence_parallel
+    # Between blocks the residual stream is replicated (TP) or split over S (SP).
+    residual = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {}
+    if model.embed is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+    if model.norm is not None and sp:
+        plan["norm"] = SequenceParallel()
+    if model.head is not None:
+        plan["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    if model.head is not None and model.embed is not None and model.cfg.tie_embeddings:
+        # Both are split by vocabulary rows (Shard(0)), so the tie survives as one DTensor.
+        model.head.weight = model.embed.weight
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, sp))
+        _shard_alibi_slopes(block.attn, tp_mesh.size(), tp_mesh.get_local_rank())
+
+
+def _block_plan(block: nn.Module, sp: bool) -> dict[str, object]:
+    residual = Shard(1) if sp else Replicate()
+    plan: dict[str, object] = {
+        "attn": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "attn.wq": ColwiseParallel(),
+        "attn.wk": ColwiseParallel(),
+        "attn.wv": ColwiseParallel(),
+        "attn.wo": RowwiseParallel(output_layouts=residual),
+    }
+    if sp:
+        plan["attn_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+    if isinstance(block.ffn, FeedForward):
+        plan["ffn"] = PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),))
+        plan["ffn.w_gate"] = ColwiseParallel()
+        if block.ffn.w_up is not None:
+            plan["ffn.w_up"] = ColwiseParallel()
+        plan["ffn.w_down"] = RowwiseParallel(output_layouts=residual)
+    elif isinstance(block.ffn, MoELayer) and sp:
+        # Routed experts are replicated over tp: gather S in, slice S back out.
+        plan["ffn"] = _SequenceGatheredMoE()
+    return plan
+
+
+class _SequenceGatheredMoE(PrepareModuleInput):
+    """MoE under sequence parallel: all-gather the input over S (→ plain replicated tensor) and
+    return the local S slice of the output (backward: all-gather of its gradient)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        self.output_style = PrepareModuleOutput(output_layouts=(Replicate(), None),
+                                                desired_output_layouts=(Shard(1), None))
+
+    def _apply(self, module: nn.Module, device_mesh):
+        super()._apply(module, device_mesh)
+        return self.output_style._apply(module, device_mesh)
+
+
+def _shard_alibi_slopes(attn: Attention, tp: int, tp_rank: int) -> None:
+    """ALiBi slopes are per query head; give each rank the slopes of its H/tp heads."""
+
+    def local_slopes(module, args, kwargs):
+        slopes_H = kwargs.get("alibi_slopes_H")
+        if slopes_H is not None and slopes_H.shape[0] == module.n_heads:
+            kwargs["alibi_slopes_H"] = slopes_H.chunk(tp)[tp_rank]
+        return args, kwargs
+
+    attn.register_forward_pre_hook(local_slopes, with_kwargs=True)

@@ -1,0 +1,178 @@
+"""Parity checks run by every rank of one launch: each named layout trains a tiny MoE model for
+three SGD steps and must reproduce one process seeing the same micro-batches.
+
+    torchrun --standalone --nproc-per-node N tests/parallel/parity_worker.py CASE [CASE ...]
+
+"The same micro-batches": the global batch is cut into dp × grad_accum × pipeline micro-batches
+in that order, and the reference process accumulates over exactly those chunks. Router
+capacity and the load-balancing loss are per micro-batch, so this is the only reference under
+which they are defined identically.
+
+Checked per step: the loss (CE and aux) within LOSS_RTOL; after step 1 every parameter's
+gradient (gathered from its shards) within GRAD_TOL of the largest reference gradient entry,
+and the global gradient norm within GRAD_TOL relative;
+the expert token counts of the last micro-batch exactly. Rank 0 prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from moetron.model import build_model
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.parallel.config import ParallelConfig
+from moetron.parallel.materialize import materialize_and_init
+from moetron.parallel.mesh import build_mesh
+from moetron.parallel.parallelize import parallelize
+
+LOSS_RTOL = 1e-5
+GRAD_TOL = 1e-5
+STEPS, LR, SEED = 3, 0.5, 7
+BATCH, SEQ = 8, 16
+
+MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
+                    attention="eager",
+                    moe=MoEConfig(num_experts=4, top_k=2, d_expert=32, every=2, aux_loss_coef=0.01, z_loss_coef=0.001))
+
+# name → (parallel layout, model changes, grad_accum)
+CASES = {
+    "tp2": (dict(tp=2), {}, 1),
+    "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
+    "dp2_fsdp": (dict(dp=2), {}, 2),
+    "dp2_ddp": (dict(dp=2, dp_mode="ddp"), {}, 1),
+    "ep2_fsdp": (dict(dp=2, ep=2), {}, 1),
+    "ep2_ddp_capacity": (dict(dp=2, ep=2, dp_mode="ddp"), {"capacity_factor": 1.0}, 1),
+    "pp2_gpipe": (dict(pp=2, microbatches=2, schedule="gpipe"), {}, 1),
+    "pp2_1f1b": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 2),
+    "pp2_interleaved": (dict(pp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), {}, 1),
+    "pp2_zero_bubble": (dict(pp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
+    "tp2_ep2": (dict(dp=2, tp=2, ep=2), {}, 1),
+    "tp2_sp_ep2": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), {}, 1),
+    "pp2_ep2": (dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
+    "pp2_tp2": (dict(pp=2, tp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
+    "pp2_dp2_interleaved": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), {}, 1),
+    "pp2_dp2_tp2_ep2": (dict(pp=2, dp=2, tp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
+}
+
+
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
+def batches() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(123)
+    return [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def reference(model_cfg: ModelConfig, chunks: int) -> dict:
+    """One process, plain model, SGD, accumulating over `chunks` micro-batches per step."""
+    meta = build_model(model_cfg, device="meta")
+    model = build_model(model_cfg, device="meta")
+    materialize_and_init(meta, [model], seed=SEED, device=torch.device("cpu"), ep_slice=lambda n, t: t)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    out = {"ce": [], "aux": [], "counts": [], "grads": None}
+    for batch in batches():
+        ce_sum = aux_sum = 0.0
+        counts = []
+        for micro in batch.chunk(chunks):
+            res = model(micro[:, :-1])
+            ce = cross_entropy(res.logits_BSV, micro[:, 1:])
+            ((ce + res.aux_loss) / chunks).backward()
+            ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + res.aux_loss.item()
+            counts.append({k: s.counts_E.tolist() for k, s in res.moe.items()})
+        if out["grads"] is None:
+            out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        out["ce"].append(ce_sum / chunks)
+        out["aux"].append(aux_sum / chunks)
+        out["counts"].append(counts)
+    return out
+
+
+def full_grad(pm, name: str, p: torch.Tensor) -> torch.Tensor:
+    g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+    if name in pm.expert_sharded:
+        # Collect every ep rank's experts to compare with the reference's (E, ·, ·) gradient.
+        parts = [torch.empty_like(g) for _ in range(pm.mesh.size("ep"))]
+        dist.all_gather(parts, g.contiguous(), group=pm.mesh.group("ep"))
+        g = torch.cat(parts)
+    return g
+
+
+def run_case(name: str) -> dict:
+    layout, moe_changes, grad_accum = CASES[name]
+    pcfg = ParallelConfig(**layout)
+    model_cfg = MODEL if not moe_changes else MODEL.replace(moe=replace(MODEL.moe, **moe_changes))
+    mb = pcfg.microbatches if pcfg.pp > 1 else 1
+    ref = reference(model_cfg, pcfg.dp * grad_accum * mb)
+    mesh = build_mesh(pcfg, dist.get_world_size())
+    pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
+                     cross_entropy=cross_entropy)
+    opt = torch.optim.SGD([p for _, p in pm.named_parameters()], lr=LR)
+    worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
+    counts_ok = True
+    dp_rank = mesh.rank("dp")
+    for step, batch in enumerate(batches()):
+        losses = pm.forward_backward(pm.local_batch(batch), grad_accum=grad_accum, autocast=contextlib.nullcontext)
+        norm = float(pm.clip_grad_norm_(float("inf")))
+        ce, aux = pm.global_losses(losses.ce, losses.aux)
+        worst["ce"] = max(worst["ce"], abs(ce - ref["ce"][step]) / abs(ref["ce"][step]))
+        worst["aux"] = max(worst["aux"], abs(aux - ref["aux"][step]) / max(abs(ref["aux"][step]), 1e-12))
+        last_chunk = (dp_rank + 1) * grad_accum * mb - 1
+        for layer, stats in losses.moe.items():
+            counts_ok &= stats.counts_E.tolist() == ref["counts"][step][last_chunk][layer]
+        if step == 0:
+            want_norm = float(torch.stack([g.double().norm() for g in ref["grads"].values()]).norm())
+            worst["grad"] = max(worst["grad"], abs(norm - want_norm) / want_norm)
+            for pname, p in pm.named_parameters():
+                want = ref["grads"][pname]
+                got = full_grad(pm, pname, p)
+                worst["grad"] = max(worst["grad"], float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
+        opt.step()
+        opt.zero_grad()
+    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    ce_err, aux_err, grad_err, counts_bad = t.tolist()
+    ok = ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
+    return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "grad_rel": grad_err,
+            "counts_equal": not counts_bad}
+
+
+def main(names: list[str]) -> int:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    failures = 0
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            try:
+                result = run_case(name)
+            except Exception as e:  # report and go on: one broken layout must not hide the others
+                if dist.get_rank() == 0:
+                    import traceback
+                    traceback.print_exc()
+                result = {"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+                print(json.dumps(result), flush=True)
+                return 1
+            result["seconds"] = round(time.perf_counter() - t0, 2)
+            failures += not result["ok"]
+            if dist.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
