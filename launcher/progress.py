@@ -28,7 +28,7 @@ class Progress:
     def update(self, step: int, record: dict) -> None:
         if not self.enabled:
             return
-        self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s")})
+        self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "mfu")})
         info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items())
         if self._bar is not None:
             self._bar.update(self._task, completed=step, info=info)

@@ -27,7 +27,7 @@ class Routing:
     expert_TK: torch.Tensor  # int64 expert id of each choice, best first
     weight_TK: torch.Tensor  # combine weight, 0 where dropped
     kept_TK: torch.Tensor  # bool
-    probs_TE: torch.Tensor  # fp32 softmax of the router logits
+    probs_TE: torch.Tensor  # softmax of the router logits, fp32 (fp64 for fp64 inputs)
     aux_loss: torch.Tensor  # scalar, already scaled by aux_loss_coef
     z_loss: torch.Tensor  # scalar, already scaled by z_loss_coef
     counts_E: torch.Tensor  # routes each expert received, before capacity drops
@@ -79,8 +79,10 @@ class Router(nn.Module):
         cfg = self.cfg
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        # Routing decisions are precision-sensitive: logits and softmax in fp32, as in Switch.
-        logits_TE = nn.functional.linear(x_TD.float(), self.gate.weight.float())
+        # Routing decisions are precision-sensitive: logits and softmax in fp32 (as in Switch) or
+        # wider, so a float64 layer stays float64 end to end (gradcheck).
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
         probs_TE = logits_TE.softmax(dim=-1)
         top_probs_TK, expert_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
 

@@ -1,0 +1,147 @@
+"""MFU of a short training run against the device's peak, measured side by side in one process.
+
+    python bench/mfu.py [CONFIG] [key=value ...] [--steps 10] [--warmup 3] [--threads 2]
+
+On CPU the peak is the best matmul FLOP/s in the run's precision (bf16 under autocast, else fp32),
+timed just before and just after the training steps, so both see the same machine load; the
+higher of the two is used. On a GPU it is the bf16 dense data-sheet peak (or train.peak_tflops).
+Tokens are random, so routing stays near its initial balance. Prints a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from moetron.launcher.config import load_config
+from moetron.launcher.flop_counter import ComponentFlopCounter, single_process_step
+from moetron.launcher.mfu import CPU_PEAK_SHAPES, device_peak, time_matmul
+from moetron.launcher.optim import build_optimizer
+from moetron.launcher.trainer import resolve_device, use_bf16
+from moetron.model import build_model
+from moetron.model.flops import flops_per_token, flops_per_token_6n
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def cpu_peak(dtype: torch.dtype) -> float:
+    return max(time_matmul(m, k, n, dtype) for m, k, n in CPU_PEAK_SHAPES)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        # NOTE: host-device sync so the step's wall time includes its kernels.
+        torch.cuda.synchronize(device)
+
+
+def run(args) -> dict:
+    cfg = load_config(args.config, args.overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(cfg)
+    bf16 = use_bf16(cfg, device)
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    model = build_model(cfg.model, device=device)
+    optimizer = build_optimizer(model, t)
+
+    def autocast():
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    def step() -> None:
+        tokens_BS1 = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), device=device)
+        single_process_step(model, optimizer, tokens_BS1, autocast)
+
+    load_before = os.getloadavg()[0]
+    peak_before = cpu_peak(dtype) if device.type == "cpu" else None
+    for _ in range(args.warmup):
+        step()
+    with ComponentFlopCounter(model) as counter:
+        step()
+    tokens = t.batch_size * t.seq_len
+    times = []
+    for _ in range(args.steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    peak_after = cpu_peak(dtype) if device.type == "cpu" else None
+    load_after = os.getloadavg()[0]
+
+    if device.type == "cpu":
+        peak = max(peak_before, peak_after)
+        peak_source = f"CPU {str(dtype).removeprefix('torch.')} matmul peak measured now"
+    else:
+        resolved = device_peak(device, bf16, t.peak_tflops)
+        peak, peak_source = resolved.flops, resolved.source
+    step_time = statistics.median(times)
+    tokens_per_s = tokens / step_time
+    analytic, counted = flops_per_token(cfg.model, t.seq_len), counter.total / tokens
+    return {
+        "bench": "mfu", "config": str(args.config), "overrides": args.overrides, "device": str(device),
+        "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
+        "batch": t.batch_size, "seq_len": t.seq_len, "steps": args.steps,
+        "step_time_s_median": step_time, "step_time_s_spread": [min(times), max(times)],
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token_analytic": analytic, "flops_per_token_6n": flops_per_token_6n(cfg.model),
+        "flops_per_token_counted": counted,
+        "tflops": tokens_per_s * analytic / 1e12, "tflops_measured": tokens_per_s * counted / 1e12,
+        "peak_tflops": peak / 1e12, "peak_source": peak_source,
+        "peak_tflops_before_after": [p / 1e12 for p in (peak_before, peak_after) if p is not None],
+        "mfu": tokens_per_s * analytic / peak, "mfu_measured": tokens_per_s * counted / peak,
+        "load_average_before_after": [load_before, load_after],
+    }
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"MFU: {Path(result['config']).name} {' '.join(result['overrides'])}".rstrip(),
+                  title_justify="left")
+    table.add_column("quantity", no_wrap=True)
+    table.add_column("value", justify="right", no_wrap=True)
+    rows = [
+        ("device / precision / threads", f"{result['device']} / {result['precision']} / {result['threads']}"),
+        ("tokens per step", f"{result['batch']} × {result['seq_len']}"),
+        ("step time (median, s)", f"{result['step_time_s_median']:.3f}"),
+        ("tokens/s", f"{result['tokens_per_s']:,.0f}"),
+        ("FLOP/token analytic | counted", f"{result['flops_per_token_analytic']:.4g} | "
+                                          f"{result['flops_per_token_counted']:.4g}"),
+        ("model TFLOP/s", f"{result['tflops']:.3f}"),
+        ("peak TFLOP/s", f"{result['peak_tflops']:.3f}"),
+        ("MFU analytic | measured", f"{result['mfu']:.1%} | {result['mfu_measured']:.1%}"),
+        ("load average before | after", " | ".join(f"{x:.2f}" for x in result["load_average_before_after"])),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    Console().print(table)
+    print(f"peak: {result['peak_source']} (before/after: "
+          f"{', '.join(f'{p:.3f}' for p in result['peak_tflops_before_after'])} TFLOP/s)")
+    if result["load_average_before_after"][0] > 0.5 * os.cpu_count():
+        print("note: the machine was busy; step time and peak both suffer, MFU less so")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=str(DEFAULT_CONFIG))
+    parser.add_argument("overrides", nargs="*", metavar="key=value")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--threads", type=int, default=0, help="intra-op threads; 0 keeps torch's default")
+    args = parser.parse_args(argv)
+    result = run(args)
+    print_table(result)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

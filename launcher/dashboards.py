@@ -1,0 +1,166 @@
+"""TensorBoard dashboards beyond the flat scalars of MetricsLogger: MoE expert load per layer as a
+heatmap image and as histograms, per-layer router scalars, the accounting table as text, and a
+custom-scalars layout that puts the panels people compare side by side.
+
+Legend: L MoE layers (rows of the heatmap), E experts.
+
+Tags written here (the flat scalars — loss, val_loss, lr, grad_norm, tokens_per_s,
+tflops_per_device, mfu, mfu_measured, memory_gib, step_time — come from the trainer's record):
+  moe/expert_load                       image, L × E, colour = load / mean load (1 = balanced)
+  moe/expert_load/layer_<i>             histogram over expert ids, weighted by routes received
+  moe/layer_<i>/{dropped_fraction, router_entropy, aux_loss, z_loss, max_load}   scalars
+  accounting                            text: parameters, FLOPs, KV cache, memory, MFU peak
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+
+from moetron.model.flops import human, summary_rows
+
+# A few stops of matplotlib's viridis, interpolated linearly: perceptually even, readable in grey.
+_VIRIDIS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
+# Load ratios are drawn from 0 (idle expert) to this (twice its fair share, or more).
+_LOAD_RATIO_MAX = 2.0
+_HEATMAP_WIDTH_PX = 384
+
+
+def custom_scalars_layout(moe: bool) -> dict:
+    """Categories → charts → (kind, tag regexes), as `SummaryWriter.add_custom_scalars` takes it."""
+    layout = {
+        "MFU": {
+            "MFU (analytic vs measured)": ["Multiline", ["^mfu$", "^mfu_measured$"]],
+            "model TFLOP/s per device": ["Multiline", ["^tflops_per_device$", "^tflops_per_device_measured$"]],
+            "tokens/s": ["Multiline", ["^tokens_per_s$"]],
+            "step time (s)": ["Multiline", ["^step_time$"]],
+            "memory (GiB)": ["Multiline", ["^memory_gib$"]],
+        },
+        "training": {
+            "loss": ["Multiline", ["^loss$", "^val_loss$"]],
+            "learning rate": ["Multiline", ["^lr$"]],
+            "grad norm": ["Multiline", ["^grad_norm$"]],
+        },
+    }
+    if moe:
+        layout["MoE routing"] = {
+            "dropped fraction per layer": ["Multiline", [r"^moe/layer_\d+/dropped_fraction$"]],
+            "router entropy per layer (nats)": ["Multiline", [r"^moe/layer_\d+/router_entropy$"]],
+            "max / mean expert load per layer": ["Multiline", [r"^moe/layer_\d+/max_load$"]],
+            "aux loss per layer": ["Multiline", [r"^moe/layer_\d+/aux_loss$"]],
+            "z loss per layer": ["Multiline", [r"^moe/layer_\d+/z_loss$"]],
+        }
+    return layout
+
+
+def load_ratios(counts_LE: np.ndarray) -> np.ndarray:
+    """Routes per expert over the layer's mean: 1 everywhere when perfectly balanced."""
+    counts_LE = counts_LE.astype(np.float64)
+    mean_L1 = counts_LE.mean(axis=1, keepdims=True)
+    return np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE), where=mean_L1 > 0)
+
+
+def heatmap_rgb(values_LE: np.ndarray, vmax: float = _LOAD_RATIO_MAX, width_px: int = _HEATMAP_WIDTH_PX) -> np.ndarray:
+    """(L, E) values in [0, vmax] → an (H, W, 3) uint8 image, one flat block per cell."""
+    L, E = values_LE.shape
+    x = np.clip(values_LE / vmax, 0.0, 1.0) * (len(_VIRIDIS) - 1)
+    lo = np.floor(x).astype(int).clip(max=len(_VIRIDIS) - 2)
+    frac = (x - lo)[..., None]
+    rgb_LE3 = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
+    cell = max(width_px // E, 4)
+    rgb = np.repeat(np.repeat(rgb_LE3, cell, axis=0), cell, axis=1)
+    return rgb.round().astype(np.uint8)
+
+
+def encode_png(rgb_HW3: np.ndarray) -> bytes:
+    """A minimal RGB PNG encoder, so images need no imaging library."""
+    H, W, _ = rgb_HW3.shape
+    raw = b"".join(b"\x00" + rgb_HW3[row].tobytes() for row in range(H))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+
+
+def accounting_markdown(acct: dict, peak_source: str | None = None) -> str:
+    """The `moetron flops` tables as Markdown, for TensorBoard's text tab."""
+    lines = ["| field | value | note |", "| --- | ---: | --- |"]
+    lines += [f"| {f} | {v} | {n} |" for f, v, n in summary_rows(acct)]
+    lines += ["", "| component | params | active | FLOP/token | share |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, c in acct["components"].items():
+        share = c["flops_per_token"] / acct["flops_per_token"]
+        lines.append(f"| {name} | {human(c['params'])} | {human(c['params_active'])} | "
+                     f"{human(c['flops_per_token'])} | {share:.1%} |")
+    lines += ["", f"Convention: {acct['convention']}."]
+    if peak_source:
+        lines.append(f"MFU peak: {peak_source}.")
+    return "\n".join(lines)
+
+
+class Dashboards:
+    """Writes the non-scalar panels to a SummaryWriter; a no-op when `writer` is None (off rank 0)."""
+
+    def __init__(self, writer, *, moe: bool):
+        self.writer, self.moe = writer, moe
+
+    def write_static(self, accounting_text: str) -> None:
+        """Once per run (start): the custom-scalars layout and the accounting table."""
+        if self.writer is None:
+            return
+        self.writer.add_custom_scalars(custom_scalars_layout(self.moe))
+        self.writer.add_text("accounting", accounting_text, 0)
+
+    def log_moe(self, step: int, stats: dict) -> None:
+        """Per-layer MoE panels from `{layer: MoEStats}` of the step's last micro-batch."""
+        if self.writer is None or not stats:
+            return
+        layers = sorted(stats)
+        # NOTE: host-device sync to read the routing statistics.
+        counts_LE = np.stack([stats[i].counts_E.detach().float().cpu().numpy() for i in layers])
+        ratios_LE = load_ratios(counts_LE)
+        self._image("moe/expert_load", heatmap_rgb(ratios_LE), step)
+        for row, layer in enumerate(layers):
+            s = stats[layer]
+            self._expert_histogram(f"moe/expert_load/layer_{layer}", counts_LE[row], step)
+            for name, value in (("dropped_fraction", s.dropped_fraction), ("router_entropy", s.entropy),
+                                ("aux_loss", s.aux_loss), ("z_loss", s.z_loss)):
+                self.writer.add_scalar(f"moe/layer_{layer}/{name}", float(value.detach()), step)
+            self.writer.add_scalar(f"moe/layer_{layer}/max_load", float(ratios_LE[row].max()), step)
+
+    def _expert_histogram(self, tag: str, counts_E: np.ndarray, step: int) -> None:
+        """One bucket per expert id, so the histogram tab shows each expert's load over time."""
+        ids_E = np.arange(len(counts_E), dtype=np.float64)
+        total = float(counts_E.sum())
+        if total <= 0:
+            return
+        used = ids_E[counts_E > 0]
+        self.writer.add_histogram_raw(
+            tag, min=float(used.min()), max=float(used.max()), num=total, sum=float((ids_E * counts_E).sum()),
+            sum_squares=float((ids_E**2 * counts_E).sum()), bucket_limits=(ids_E + 0.5).tolist(),
+            bucket_counts=counts_E.tolist(), global_step=step)
+
+    def _image(self, tag: str, rgb_HW3: np.ndarray, step: int) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        H, W, _ = rgb_HW3.shape
+        image = Summary.Image(height=H, width=W, colorspace=3, encoded_image_string=encode_png(rgb_HW3))
+        # SummaryWriter.add_image would need PIL to encode; the event file takes the PNG as is.
+        self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
+
+
+
+def start_run_dashboards(cfg, metrics, device, bf16: bool, *, world_size: int = 1, console=print):
+    """For the trainer: the MFU meter (peak resolved, CPU peak measured or read from the cache) and
+    the dashboards, with the layout and accounting text already written → (MfuMeter, Dashboards)."""
+    from moetron.launcher.mfu import MfuMeter, config_accounting, device_peak
+
+    peak = device_peak(device, bf16, cfg.train.peak_tflops)
+    console(f"MFU is measured against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
+    meter = MfuMeter(cfg.model, cfg.train.seq_len, peak, device=device, world_size=world_size, warn=console)
+    dashboards = Dashboards(metrics.tensorboard, moe=cfg.model.moe.enabled)
+    dashboards.write_static(accounting_markdown(config_accounting(cfg), peak.source))
+    return meter, dashboards

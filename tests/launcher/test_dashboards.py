@@ -1,0 +1,175 @@
+"""TensorBoard output of a real tiny run, read back with EventAccumulator and through a real
+`tensorboard` server; MFU peaks, the CPU peak cache and the disagreement warning."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from moetron.launcher.config import load_config
+from moetron.launcher.dashboards import custom_scalars_layout, encode_png, heatmap_rgb, load_ratios
+from moetron.launcher.mfu import MfuMeter, Peak, cpu_matmul_peak, device_peak, gpu_peak_tflops
+from moetron.launcher.trainer import train
+from moetron.model import ModelConfig, MoEConfig, build_model
+
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+PEAK_TFLOPS = 0.001  # an override, so the run needs no CPU peak measurement
+TINY_RUN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+            "model.moe.num_experts=4", "model.moe.d_expert=32", "train.seq_len=32", "train.batch_size=2",
+            "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1",
+            "train.warmup_steps=1", "train.threads=1", f"train.peak_tflops={PEAK_TFLOPS}", "train.name=dash"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs")
+    path = train(load_config(TINY, [*TINY_RUN, f"train.run_dir={run_dir}"]), console=lambda *_: None)
+    return path, [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def events(path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path / "tensorboard"), size_guidance={"scalars": 0, "images": 0, "histograms": 0,
+                                                                        "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_scalars_are_logged_with_the_metrics_values(run):
+    path, records = run
+    acc = events(path)
+    scalars = set(acc.Tags()["scalars"])
+    assert {"loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "mfu_measured",
+            "tflops_per_device_measured", "memory_gib", "step_time"} <= scalars
+    for layer in (0, 1):
+        assert {f"moe/layer_{layer}/{k}" for k in ("dropped_fraction", "router_entropy", "aux_loss", "z_loss",
+                                                   "max_load")} <= scalars
+    logged = [r for r in records if "mfu" in r]
+    assert [e.step for e in acc.Scalars("mfu")] == [r["step"] for r in logged] == [2, 4]
+    for event, record in zip(acc.Scalars("loss"), [r for r in records if "loss" in r]):
+        assert event.value == pytest.approx(record["loss"], rel=1e-6)
+    for record in logged:
+        assert record["mfu"] == pytest.approx(record["tflops_per_device"] / PEAK_TFLOPS, rel=1e-9)
+        # Dropless routing: the FLOPs counted on the first step are the analytic ones.
+        assert record["mfu_measured"] == pytest.approx(record["mfu"], rel=1e-9)
+        assert record["memory_gib"] > 0
+
+
+def test_expert_load_image_histograms_text_and_layout(run):
+    path, _ = run
+    acc = events(path)
+    image = acc.Images("moe/expert_load")[-1]
+    assert (image.height, image.width) == (2 * 96, 4 * 96)  # 2 MoE layers × 4 experts, 96-px cells
+    for layer in (0, 1):
+        hist = acc.Histograms(f"moe/expert_load/layer_{layer}")[-1].histogram_value
+        assert list(hist.bucket_limit) == [0.5, 1.5, 2.5, 3.5]
+        assert sum(hist.bucket) == 2 * 32 * 2  # every token's two routes of the last micro-batch
+    tensors = acc.Tags()["tensors"]
+    assert {"config/text_summary", "accounting/text_summary", "custom_scalars__config__"} <= set(tensors)
+    text = acc.Tensors("accounting/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "params_active" in text and "flops_per_token" in text and f"train.peak_tflops = {PEAK_TFLOPS:g}" in text
+
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    layout = layout_pb2.Layout.FromString(acc.Tensors("custom_scalars__config__")[0].tensor_proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert charts["MFU (analytic vs measured)"] == ["^mfu$", "^mfu_measured$"]
+    assert "dropped fraction per layer" in charts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_tensorboard_server_serves_the_loss_series(run, tmp_path):
+    path, records = run
+    port = _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(path / "tensorboard"), "--host", "127.0.0.1",
+         "--port", str(port), "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "tensorboard.log").open("w"))
+    url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run=.&tag=loss"
+    try:
+        series, deadline = None, time.monotonic() + 90
+        while time.monotonic() < deadline and series is None:
+            assert server.poll() is None, (tmp_path / "tensorboard.log").read_text()
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    series = json.loads(response.read())
+            except OSError:  # not listening yet, or the run not loaded yet (HTTP 400)
+                time.sleep(0.5)
+        assert series is not None, "tensorboard did not serve the series within 90 s"
+        expected = [(r["step"], r["loss"]) for r in records if "loss" in r]
+        assert [(step, pytest.approx(value, rel=1e-6)) for _, step, value in series] == expected
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_gpu_peak_table_and_override():
+    assert gpu_peak_tflops("NVIDIA H200") == 989.0
+    assert gpu_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert gpu_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert gpu_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert gpu_peak_tflops("NVIDIA B200") == 2250.0
+    assert gpu_peak_tflops("Tesla T4") is None
+    assert device_peak(torch.device("cpu"), True, override_tflops=123.0).flops == 123e12
+
+
+def test_cpu_peak_is_measured_once_per_precision_and_cached(tmp_path):
+    calls = []
+
+    def fake_measure(m, k, n, dtype):
+        calls.append(dtype)
+        return 1e9 * (m * k * n) ** (1 / 3) / 1000
+
+    first, cached = cpu_matmul_peak(torch.bfloat16, directory=tmp_path, measure=fake_measure)
+    assert not cached and len(calls) == 3 and first == pytest.approx(1e9 * 4096 ** (2 / 3) * 1024 ** (1 / 3) / 1000)
+    again, cached = cpu_matmul_peak(torch.bfloat16, directory=tmp_path, measure=fake_measure)
+    assert cached and again == first and len(calls) == 3
+    _, cached = cpu_matmul_peak(torch.float32, directory=tmp_path, measure=fake_measure)
+    assert not cached and calls[-1] == torch.float32
+    assert len(json.loads((tmp_path / "cpu_matmul_peak.json").read_text())) == 2
+
+
+def test_meter_warns_when_counted_and_analytic_disagree():
+    model_cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, d_ff=64, max_seq_len=32,
+                            moe=MoEConfig(num_experts=4, top_k=2))
+    model = build_model(model_cfg)
+    warnings = []
+    # The meter's analytic figure is for a model with twice the layers: a 5%+ disagreement.
+    meter = MfuMeter(model_cfg.replace(n_layers=4), 16, Peak(1e12, "test"), warn=warnings.append)
+    tokens_BS1 = torch.randint(0, 64, (2, 17))
+    with meter.step(model, 32):
+        model(tokens_BS1[:, :-1]).logits_BSV.sum().backward()
+    assert len(warnings) == 1 and "differ from the analytic count" in warnings[0]
+    with meter.step(model, 32):  # only the first step is counted
+        model(tokens_BS1[:, :-1])
+    figures = meter.window(tokens=96, seconds=2.0)  # the counted step's 32 tokens and time are left out
+    assert figures["mfu_measured"] < figures["mfu"]
+    assert meter.window(tokens=0, seconds=0.0) == {}
+
+
+def test_heatmap_colours_and_png():
+    ratios = load_ratios(np.array([[10, 10, 10, 10], [40, 0, 0, 0]]))
+    assert ratios.tolist() == [[1, 1, 1, 1], [4, 0, 0, 0]]
+    rgb = heatmap_rgb(ratios, width_px=16)  # 4-px cells
+    assert rgb.shape == (8, 16, 3) and rgb.dtype == np.uint8
+    assert (rgb[5, 0] == [253, 231, 37]).all() and (rgb[5, 9] == [68, 1, 84]).all()  # overloaded, idle
+    assert (rgb[0, 0] == [33, 145, 140]).all()  # balanced: the middle of the colour map
+    Image = pytest.importorskip("PIL.Image")
+    import io
+
+    decoded = np.asarray(Image.open(io.BytesIO(encode_png(rgb))).convert("RGB"))
+    assert (decoded == rgb).all()
+    assert "MoE routing" not in custom_scalars_layout(moe=False)
