@@ -1,0 +1,164 @@
+"""Training-step tokens/s: moetron's Mixtral-layout MoE against transformers' MixtralForCausalLM
+(same config, batch and precision) and against a dense moetron model of equal active parameters.
+
+All models are built in one process and timed in interleaved rounds (one step of each per
+round), so drift in machine load hits them alike; the median step time of each is reported.
+A step is forward, cross-entropy (+ the router's aux loss), backward and AdamW.
+
+    python bench/model_throughput.py                 # d=256, 4 layers, 8/4 heads, 8 experts of 512, top-2, 8 × 256
+    python bench/model_throughput.py --quick         # a smoke run on a small shape
+    python bench/model_throughput.py --precision bf16 --steps 30
+
+Prints a table and one JSON line. Numbers are only comparable within a run: on a shared 2-core
+machine other load slows everything several-fold (the run warns when the load average is high).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from moetron.model import ModelConfig, MoEConfig, build_model
+
+
+def moetron_configs(args) -> dict[str, ModelConfig]:
+    """The Mixtral layout (RMSNorm, SwiGLU, RoPE, GQA, softmax → top-k → renormalize, dropless)
+    and its dense twin, whose FFN is as wide as the top_k experts a token activates."""
+    moe = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, d_ff=args.top_k * args.d_expert, activation="swiglu",
+                      norm="rmsnorm", position="rope", attention="sdpa", max_seq_len=args.seq_len,
+                      moe=MoEConfig(num_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert,
+                                    capacity_factor=None, weighting="renormalize", aux_loss_coef=args.aux_coef))
+    return {"moetron-moe": moe, "moetron-dense": moe.replace(moe=MoEConfig())}
+
+
+def transformers_mixtral(args):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(vocab_size=args.vocab, hidden_size=args.d_model, intermediate_size=args.d_expert,
+                        num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                        num_key_value_heads=args.kv_heads, num_local_experts=args.experts,
+                        num_experts_per_tok=args.top_k, max_position_embeddings=args.seq_len,
+                        output_router_logits=True, router_aux_loss_coef=args.aux_coef, tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    return MixtralForCausalLM(cfg)
+
+
+def moetron_loss(model, ids_BS):
+    out = model(ids_BS)
+    logits = out.logits_BSV[:, :-1].flatten(0, 1)
+    return F.cross_entropy(logits.float(), ids_BS[:, 1:].flatten()) + out.aux_loss
+
+
+def transformers_loss(model, ids_BS):
+    # labels = inputs: the model shifts them itself and adds coef × its load-balancing loss.
+    return model(input_ids=ids_BS, labels=ids_BS).loss
+
+
+def make_step(model, loss_fn, ids_BS, precision):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with autocast():
+            loss = loss_fn(model, ids_BS)
+        loss.backward()
+        opt.step()
+        elapsed = time.perf_counter() - start
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"non-finite loss {loss.item()}")
+        return elapsed
+
+    return step
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--d-expert", type=int, default=512)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--aux-coef", type=float, default=0.01)
+    p.add_argument("--steps", type=int, default=15, help="timed steps per model and precision")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--no-transformers", action="store_true", help="time the moetron models only")
+    p.add_argument("--quick", action="store_true", help="smoke run: batch 2 × 64, 3 steps, 1 warmup")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.batch, args.seq_len, args.steps, args.warmup = 2, 64, 3, 1
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_1m = os.getloadavg()[0]
+    if load_1m > 0.5:
+        print(f"WARNING: 1-minute load average is {load_1m:.2f} before starting; other work on this "
+              f"machine will distort the numbers (compare ratios, rerun when it is quiet)", file=sys.stderr)
+
+    torch.manual_seed(0)
+    models = {name: build_model(cfg) for name, cfg in moetron_configs(args).items()}
+    loss_fns = {name: moetron_loss for name in models}
+    if not args.no_transformers:
+        models["transformers-mixtral"] = transformers_mixtral(args)
+        loss_fns["transformers-mixtral"] = transformers_loss
+    ids_BS = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    tokens = args.batch * args.seq_len
+
+    steps = {(name, prec): make_step(model.train(), loss_fns[name], ids_BS, prec)
+             for prec in args.precision for name, model in models.items()}
+    times: dict = {key: [] for key in steps}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    for _ in range(args.steps):  # interleaved: one step of every model per round
+        for key, step in steps.items():
+            times[key].append(step())
+
+    tok_s = {prec: {name: tokens / statistics.median(times[name, prec]) for name in models} for prec in args.precision}
+    params = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
+    ratios = {}
+    for prec, row in tok_s.items():
+        ratios[prec] = {"moe/dense": row["moetron-moe"] / row["moetron-dense"]}
+        if "transformers-mixtral" in row:
+            ratios[prec]["moetron/transformers"] = row["moetron-moe"] / row["transformers-mixtral"]
+
+    shape = (f"d={args.d_model} L={args.layers} heads={args.heads}/{args.kv_heads} "
+             f"experts={args.experts}x{args.d_expert} top-{args.top_k} batch={args.batch}x{args.seq_len}")
+    print(f"{shape}, {args.threads} threads, median of {args.steps} steps, "
+          f"load avg {load_1m:.2f} → {os.getloadavg()[0]:.2f}")
+    print(f"{'precision':<10}{'model':<24}{'params':>12}{'ms/step':>10}{'tokens/s':>12}")
+    for prec in args.precision:
+        for name in models:
+            ms = 1e3 * statistics.median(times[name, prec])
+            print(f"{prec:<10}{name:<24}{params[name]:>12,}{ms:>10.1f}{tok_s[prec][name]:>12,.0f}")
+        print(f"{prec:<10}" + "   ".join(f"{k} = {v:.2f}x" for k, v in ratios[prec].items()))
+    print(json.dumps({
+        "bench": "model_throughput", "shape": shape, "quick": args.quick, "threads": args.threads,
+        "steps": args.steps, "load_avg_before": round(load_1m, 2), "load_avg_after": round(os.getloadavg()[0], 2),
+        "params": params, "tokens_per_s": {p: {n: round(v, 1) for n, v in r.items()} for p, r in tok_s.items()},
+        "ratios": {p: {k: round(v, 3) for k, v in r.items()} for p, r in ratios.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
