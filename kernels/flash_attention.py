@@ -11,7 +11,7 @@ scaled logit of query i and key j (a penalty growing with distance into the past
 Layers: Triton kernels (flash_attention_triton) → the ops `moetron::flash_attention_fwd` (returns
 the output and the logsumexp) and `moetron::flash_attention_bwd` (custom ops with fake
 implementations, so torch.compile traces them) → the function `flash_attention`. The torch path
-is `flash_attention_reference`, plain eager torch; its backward recomputes it under autograd.
+is `flash_attention_reference`, plain eager torch, and `flash_attention_reference_backward`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,26 @@ import math
 import torch
 
 from moetron.kernels.backend import resolve_backend
+
+
+def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct):
+    """Scaled logits s_BHQK in dtype `ct`, ALiBi added and the causal mask applied (-inf)."""
+    B, H, S_Q, D = q_BHSD.shape
+    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
+    q_BGRSD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
+    s_BHQK = (q_BGRSD @ k_BGSD.to(ct)[:, :, None].transpose(-1, -2)).reshape(B, H, S_Q, S_K) * scale
+    pos_q = torch.arange(S_Q, device=q_BHSD.device) + max(S_K - S_Q, 0)
+    pos_k = torch.arange(S_K, device=q_BHSD.device)
+    if alibi_slopes_H is not None:
+        distance_QK = (pos_k[None, :] - pos_q[:, None]).to(ct)
+        s_BHQK = s_BHQK + alibi_slopes_H.to(ct)[:, None, None] * distance_QK
+    if causal:
+        s_BHQK = s_BHQK.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    return s_BHQK
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def flash_attention_reference(
@@ -38,20 +58,30 @@ def flash_attention_reference(
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
-    ct = torch.float64 if q_BHSD.dtype == torch.float64 else torch.float32
-    q_BGRSD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
-    s_BHQK = (q_BGRSD @ k_BGSD.to(ct)[:, :, None].transpose(-1, -2)).reshape(B, H, S_Q, S_K) * scale
-    pos_q = torch.arange(S_Q, device=q_BHSD.device) + max(S_K - S_Q, 0)
-    pos_k = torch.arange(S_K, device=q_BHSD.device)
-    if alibi_slopes_H is not None:
-        distance_QK = (pos_k[None, :] - pos_q[:, None]).to(ct)
-        s_BHQK = s_BHQK + alibi_slopes_H.to(ct)[:, None, None] * distance_QK
-    if causal:
-        s_BHQK = s_BHQK.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    ct = _compute_dtype(q_BHSD.dtype)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct)
     lse_BHS = torch.logsumexp(s_BHQK, dim=-1)
     p_BGRQK = torch.exp(s_BHQK - lse_BHS[..., None]).reshape(B, G, H // G, S_Q, S_K)
     o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D).to(q_BHSD.dtype)
     return (o_BHSD, lse_BHS.float()) if return_lse else o_BHSD
+
+
+def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale):
+    """(dq_BHSD, dk_BGSD, dv_BGSD) of flash_attention_reference by the softmax backward formulas,
+    recomputing the probabilities (no autograd: it runs inside a custom op, below autograd)."""
+    B, H, S_Q, D = q_BHSD.shape
+    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
+    ct = _compute_dtype(q_BHSD.dtype)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct)
+    p_BGRQK = torch.softmax(s_BHQK, dim=-1).reshape(B, G, H // G, S_Q, S_K)
+    do_BGRQD = do_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
+    q_BGRQD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
+    dv_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", p_BGRQK, do_BGRQD)
+    dp_BGRQK = do_BGRQD @ v_BGSD.to(ct)[:, :, None].transpose(-1, -2)
+    ds_BGRQK = p_BGRQK * (dp_BGRQK - (p_BGRQK * dp_BGRQK).sum(-1, keepdim=True))
+    dq_BHSD = (ds_BGRQK @ k_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D) * softmax_scale
+    dk_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", ds_BGRQK, q_BGRQD) * softmax_scale
+    return dq_BHSD.to(q_BHSD.dtype), dk_BGSD.to(k_BGSD.dtype), dv_BGSD.to(v_BGSD.dtype)
 
 
 @torch.library.custom_op("moetron::flash_attention_fwd", mutates_args=())
@@ -79,10 +109,8 @@ def _bwd_op(
     softmax_scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "torch":
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_() for t in (q_BHSD, k_BGSD, v_BGSD)]
-            o = flash_attention_reference(*inputs, causal, alibi_slopes_H, softmax_scale)
-            return torch.autograd.grad(o, inputs, do_BHSD)
+        return flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
+                                                  softmax_scale)
     from moetron.kernels.flash_attention_triton import flash_attention_bwd_triton
 
     return flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,

@@ -70,8 +70,8 @@ def attention_configs(head_dim: int, dtype: torch.dtype, interpret: bool) -> Att
 
 @triton.jit
 def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale, S_K,
-              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-              ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -98,247 +98,251 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    return acc, l_i, m_i
 
 
-    @triton.jit
-    def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
-                   stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-                   stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os,
-                   H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        g = h // GROUP
-        m0 = pid_m * BLOCK_M
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
+        stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os,
+        H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    g = h // GROUP
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m[:, None] < S_Q
+    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kg
+    v_base = v_ptr + b.to(tl.int64) * stride_vb + g.to(tl.int64) * stride_vg
+    pos_q = offs_m + Q_OFFSET
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
+
+    # Key tiles [0, n_full) are visible to every query of this tile and lie inside S_K;
+    # [n_full, n_hi) need the causal and/or key-bound mask.
+    n_full = (S_K // BLOCK_N) * BLOCK_N
+    n_hi = S_K
+    if CAUSAL:
+        n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
+        n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2,
+                                    qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
+                                    qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
+
+    o = acc / l_i[:, None]
+    o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_mask)
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
+    tl.store(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, lse, mask=offs_m < S_Q)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
+        stride_dos, H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    # delta_i = sum_d o_id * do_id, the row term of the softmax backward.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = offs_m[:, None] < S_Q
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, delta, mask=offs_m < S_Q)
+
+
+@triton.jit
+def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, m_lo, m_hi,
+        offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_mask = offs_m[:, None] < S_Q
-        q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-        k_base = k_ptr + b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kg
-        v_base = v_ptr + b.to(tl.int64) * stride_vb + g.to(tl.int64) * stride_vg
-        pos_q = offs_m + Q_OFFSET
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
-
-        # Key tiles [0, n_full) are visible to every query of this tile and lie inside S_K;
-        # [n_full, n_hi) need the causal and/or key-bound mask.
-        n_full = (S_K // BLOCK_N) * BLOCK_N
-        n_hi = S_K
-        if CAUSAL:
-            n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
-            n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
-        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2,
-                                  qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
-        acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
-                                  qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
-
-        o = acc / l_i[:, None]
-        o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_mask)
-        lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
-        tl.store(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, lse, mask=offs_m < S_Q)
-
-    @triton.jit
-    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
-                         stride_dos, H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-        # delta_i = sum_d o_id * do_id, the row term of the softmax backward.
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)
-        h = (pid_bh % H).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        mask = offs_m[:, None] < S_Q
-        o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
-        do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
-        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        tl.store(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, delta, mask=offs_m < S_Q)
-
-    @triton.jit
-    def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, m_lo, m_hi,
-                   offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
-                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                   ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-        offs_d = tl.arange(0, HEAD_DIM)
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            if MASK:
-                q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
-                do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
-                lse2 = tl.load(lse_base + offs_m, mask=offs_m < S_Q, other=0.0) * 1.4426950408889634
-                delta = tl.load(delta_base + offs_m, mask=offs_m < S_Q, other=0.0)
-            else:
-                q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
-                do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
-                lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
-                delta = tl.load(delta_base + offs_m)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            s_t = tl.dot(k, tl.trans(q)) * qk_scale  # keys x queries
-            pos_q = offs_m + Q_OFFSET
-            if ALIBI:
-                s_t += slope2 * (offs_n[:, None] - pos_q[None, :]).to(tl.float32)
-            p_t = tl.math.exp2(s_t - lse2[None, :])
-            if MASK:
-                visible = offs_m[None, :] < S_Q
-                if CAUSAL:
-                    visible = visible & (offs_n[:, None] <= pos_q[None, :])
-                p_t = tl.where(visible, p_t, 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk)
-        return dk, dv
-
-    @triton.jit
-    def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
-                        stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-                        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
-                        H, G, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
-                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-        # One program per (key tile, batch, KV head); it sums over the GROUP query heads sharing
-        # that KV head, so GQA needs neither repeated K/V nor atomics.
-        pid_n = tl.program_id(0)
-        pid_bg = tl.program_id(1)
-        b = (pid_bg // G).to(tl.int64)
-        g = pid_bg % G
-        n0 = pid_n * BLOCK_N
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, HEAD_DIM)
-        key_mask = offs_n[:, None] < S_K
-        k = tl.load(k_ptr + b * stride_kb + g.to(tl.int64) * stride_kg + offs_n[:, None] * stride_ks + offs_d[None, :],
-                    mask=key_mask, other=0.0)
-        v = tl.load(v_ptr + b * stride_vb + g.to(tl.int64) * stride_vg + offs_n[:, None] * stride_vs + offs_d[None, :],
-                    mask=key_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-        dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-
-        # Query tiles [m_lo, m_full) straddle the causal diagonal; [m_full, m_even) see every
-        # key of this tile and lie inside S_Q; [m_even, S_Q) is the ragged tail (which may also
-        # straddle the diagonal), so only the middle range runs without a mask.
-        m_lo = 0
-        m_full = 0
-        if CAUSAL:
-            m_lo = (max(n0 - Q_OFFSET, 0) // BLOCK_M) * BLOCK_M
-            m_full = max(m_lo, tl.cdiv(max(n0 + BLOCK_N - 1 - Q_OFFSET, 0), BLOCK_M) * BLOCK_M)
-        m_even = (S_Q // BLOCK_M) * BLOCK_M
-        for r in range(0, GROUP):
-            h = g * GROUP + r
-            bh = b * H + h
-            q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
-            do_base = do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh
-            slope2 = 0.0
-            if ALIBI:
-                slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
-            dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                stride_qs, stride_dos, m_lo, min(m_full, m_even), offs_n, slope2, qk_scale, S_Q,
-                                Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
-            dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                stride_qs, stride_dos, m_full, m_even, offs_n, slope2, qk_scale, S_Q,
-                                Q_OFFSET, HEAD_DIM, BLOCK_M, False, CAUSAL, ALIBI, UPCAST)
-            dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                stride_qs, stride_dos, max(m_lo, m_even), S_Q, offs_n, slope2, qk_scale,
-                                S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
-
-        # dk, dv are contiguous (B, G, S_K, D), allocated by the wrapper.
-        out = pid_bg.to(tl.int64) * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_mask)
-        tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
-
-    @triton.jit
-    def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale,
-                 S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                 ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-        offs_d = tl.arange(0, HEAD_DIM)
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs_n = n0 + tl.arange(0, BLOCK_N)
-            if MASK:
-                k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-            else:
-                k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
-                v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            s = tl.dot(q, tl.trans(k)) * qk_scale
-            if ALIBI:
-                s += slope2 * (offs_n[None, :] - pos_q[:, None]).to(tl.float32)
-            p = tl.math.exp2(s - lse2[:, None])
-            if MASK:
-                visible = offs_n[None, :] < S_K
-                if CAUSAL:
-                    visible = visible & (offs_n[None, :] <= pos_q[:, None])
-                p = tl.where(visible, p, 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            ds = p * (dp - delta[:, None])
-            dq = tl.dot(ds.to(k.dtype), k, dq)
-        return dq
-
-    @triton.jit
-    def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
-                      stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-                      stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
-                      H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_bh = tl.program_id(1)
-        b = (pid_bh // H).to(tl.int64)
-        h = pid_bh % H
-        g = (h // GROUP).to(tl.int64)
-        m0 = pid_m * BLOCK_M
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        row_mask = offs_m < S_Q
-        q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                    mask=row_mask[:, None], other=0.0)
-        do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                     mask=row_mask[:, None], other=0.0)
+        if MASK:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
+            lse2 = tl.load(lse_base + offs_m, mask=offs_m < S_Q, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m, mask=offs_m < S_Q, other=0.0)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
+            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
+            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0) * 1.4426950408889634
-        delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0)
+        s_t = tl.dot(k, tl.trans(q)) * qk_scale  # keys x queries
+        pos_q = offs_m + Q_OFFSET
+        if ALIBI:
+            s_t += slope2 * (offs_n[:, None] - pos_q[None, :]).to(tl.float32)
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        if MASK:
+            visible = offs_m[None, :] < S_Q
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= pos_q[None, :])
+            p_t = tl.where(visible, p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv)
+        dp_t = tl.dot(v, tl.trans(do))
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
+        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
+        H, G, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    # One program per (key tile, batch, KV head); it sums over the GROUP query heads sharing
+    # that KV head, so GQA needs neither repeated K/V nor atomics.
+    pid_n = tl.program_id(0)
+    pid_bg = tl.program_id(1)
+    b = (pid_bg // G).to(tl.int64)
+    g = pid_bg % G
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_mask = offs_n[:, None] < S_K
+    k = tl.load(k_ptr + b * stride_kb + g.to(tl.int64) * stride_kg + offs_n[:, None] * stride_ks + offs_d[None, :],
+                mask=key_mask, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + g.to(tl.int64) * stride_vg + offs_n[:, None] * stride_vs + offs_d[None, :],
+                mask=key_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+
+    # Query tiles [m_lo, m_full) straddle the causal diagonal; [m_full, m_even) see every
+    # key of this tile and lie inside S_Q; [m_even, S_Q) is the ragged tail (which may also
+    # straddle the diagonal), so only the middle range runs without a mask.
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        m_lo = (max(n0 - Q_OFFSET, 0) // BLOCK_M) * BLOCK_M
+        m_full = max(m_lo, tl.cdiv(max(n0 + BLOCK_N - 1 - Q_OFFSET, 0), BLOCK_M) * BLOCK_M)
+    m_even = (S_Q // BLOCK_M) * BLOCK_M
+    for r in range(0, GROUP):
+        h = g * GROUP + r
+        bh = b * H + h
+        q_base = q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh
+        do_base = do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
-        pos_q = offs_m + Q_OFFSET
-        k_base = k_ptr + b * stride_kb + g * stride_kg
-        v_base = v_ptr + b * stride_vb + g * stride_vg
+        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
+                                  stride_qs, stride_dos, m_lo, min(m_full, m_even), offs_n, slope2, qk_scale, S_Q,
+                                  Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
+        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
+                                  stride_qs, stride_dos, m_full, m_even, offs_n, slope2, qk_scale, S_Q,
+                                  Q_OFFSET, HEAD_DIM, BLOCK_M, False, CAUSAL, ALIBI, UPCAST)
+        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
+                                  stride_qs, stride_dos, max(m_lo, m_even), S_Q, offs_n, slope2, qk_scale,
+                                  S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
 
-        # The same split of key tiles as the forward pass.
-        n_full = (S_K // BLOCK_N) * BLOCK_N
-        n_hi = S_K
-        if CAUSAL:
-            n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
-            n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
-        dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2, qk_scale,
-                      S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
-        dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
-                      qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
+    # dk, dv are contiguous (B, G, S_K, D), allocated by the wrapper.
+    out = pid_bg.to(tl.int64) * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_mask)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
 
-        # dq is contiguous (B, H, S_Q, D), allocated by the wrapper.
-        out = pid_bh.to(tl.int64) * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None])
 
-    return _attn_fwd_kernel, _attn_bwd_delta_kernel, _attn_bwd_dkdv_kernel, _attn_bwd_dq_kernel
+@triton.jit
+def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale,
+        S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        if MASK:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
+        else:
+            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
+            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if ALIBI:
+            s += slope2 * (offs_n[None, :] - pos_q[:, None]).to(tl.float32)
+        p = tl.math.exp2(s - lse2[:, None])
+        if MASK:
+            visible = offs_n[None, :] < S_K
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= pos_q[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
+        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
+        H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    g = (h // GROUP).to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_mask = offs_m < S_Q
+    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+                mask=row_mask[:, None], other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
+                 mask=row_mask[:, None], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
+    pos_q = offs_m + Q_OFFSET
+    k_base = k_ptr + b * stride_kb + g * stride_kg
+    v_base = v_ptr + b * stride_vb + g * stride_vg
+
+    # The same split of key tiles as the forward pass.
+    n_full = (S_K // BLOCK_N) * BLOCK_N
+    n_hi = S_K
+    if CAUSAL:
+        n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
+        n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2, qk_scale,
+                        S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
+                        qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
+
+    # dq is contiguous (B, H, S_Q, D), allocated by the wrapper.
+    out = pid_bh.to(tl.int64) * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -429,7 +433,8 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
 def compile_specs():
     """Every shipped configuration, with arguments shaped like a Mixtral-8x7B layer (32 query
     heads over 8 KV heads, 4k positions), for compiling ahead of time (see moetron.kernels.aot).
-    Each is compiled causal without ALiBi, the training case; D=128 also full with ALiBi."""
+    Each is compiled causal without ALiBi, the training case; bf16 D=128 also full with ALiBi,
+    to compile those code paths too (they use the same tiles)."""
     B, H, G, S = 1, 32, 8, 4096
     for (size, D), cfgs in SHIPPED_CONFIGS.items():
         dtype = {2: torch.bfloat16, 4: torch.float32}[size]
@@ -442,7 +447,7 @@ def compile_specs():
         pointers |= dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr"], torch.float32)
         args = pointers | q_strides | k_strides | v_strides | do_strides | scalars
         args |= dict(stride_ob=H * S * D, stride_oh=S * D, stride_os=D)
-        variants = [(True, False)] + ([(False, True)] if D == 128 else [])
+        variants = [(True, False)] + ([(False, True)] if (size, D) == (2, 128) else [])
         for causal, alibi in variants:
             flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False)
             tag = f"{dtype},D={D},causal={causal},alibi={alibi}"

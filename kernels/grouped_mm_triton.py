@@ -92,78 +92,76 @@ def _grouped_mm_kernel(
     tile_ends = tl.cumsum(tl.cdiv(ends - starts, BLOCK_M), 0)
     e = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
     if e > E:
+        return  # a spare program: the grid is an upper bound on the number of row tiles
+    tile_end = tl.sum(tl.where(idx_e == e, tile_ends, 0), 0)
+    start = tl.sum(tl.where(idx_e == e, starts, 0), 0)
+    end = tl.sum(tl.where(idx_e == e, ends, 0), 0)
+    tiles = tl.cdiv(end - start, BLOCK_M)
+
+    rows = start + (pid_m - (tile_end - tiles)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < end
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    # 64-bit row offsets: T * K overflows int32 at Mixtral sizes with long sequences.
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + ks[None, :] * stride_xk
+    w_ptrs = w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.where(e < E, K, 0)
+    for k0 in range(0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
+            b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
+        else:
+            k_mask = k0 + ks < K
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
-        tile_end = tl.sum(tl.where(idx_e == e, tile_ends, 0), 0)
-        start = tl.sum(tl.where(idx_e == e, starts, 0), 0)
-        end = tl.sum(tl.where(idx_e == e, ends, 0), 0)
-        tiles = tl.cdiv(end - start, BLOCK_M)
+@triton.jit
+def _grouped_mm_wgrad_kernel(
+    x_ptr, dy_ptr, dw_ptr, offsets_ptr,
+    K, N,
+    stride_xt, stride_xk, stride_dyt, stride_dyn, stride_dwe, stride_dwk, stride_dwn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # dw[e] = x[rows of e]^T @ dy[rows of e]: one (K, N) tile per program, reducing over the
+    # group's rows BLOCK_M at a time. Programs of one group run together and share its rows.
+    pid_kn = tl.program_id(0)
+    e = tl.program_id(1)
+    num_n = tl.cdiv(N, BLOCK_N)
+    ks = (pid_kn // num_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    cols = (pid_kn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_mask = ks < K
+    col_mask = cols < N
+    start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(offsets_ptr + e)
 
-        rows = start + (pid_m - (tile_end - tiles)) * BLOCK_M + tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for t0 in range(start, end, BLOCK_M):
+        rows = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < end
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_mask = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        # 64-bit row offsets: T * K overflows int32 at Mixtral sizes with long sequences.
-        x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + ks[None, :] * stride_xk
-        w_ptrs = w_ptr + e.to(tl.int64) * stride_we + ks[:, None] * stride_wk + cols[None, :] * stride_wn
+        xt = tl.load(x_ptr + rows[None, :] * stride_xt + ks[:, None] * stride_xk,
+                     mask=k_mask[:, None] & row_mask[None, :], other=0.0)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dyt + cols[None, :] * stride_dyn,
+                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        if UPCAST:
+            xt = xt.to(tl.float32)
+            dy = dy.to(tl.float32)
+        acc = tl.dot(xt, dy, acc)
 
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        k_end = tl.where(e < E, K, 0)
-        for k0 in range(0, k_end, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=row_mask[:, None], other=0.0)
-                b = tl.load(w_ptrs, mask=col_mask[None, :], other=0.0)
-            else:
-                k_mask = k0 + ks < K
-                a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-            x_ptrs += BLOCK_K * stride_xk
-            w_ptrs += BLOCK_K * stride_wk
-
-        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
-
-    @triton.jit
-    def _grouped_mm_wgrad_kernel(
-        x_ptr, dy_ptr, dw_ptr, offsets_ptr,
-        K, N,
-        stride_xt, stride_xk, stride_dyt, stride_dyn, stride_dwe, stride_dwk, stride_dwn,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    ):
-        # dw[e] = x[rows of e]^T @ dy[rows of e]: one (K, N) tile per program, reducing over the
-        # group's rows BLOCK_M at a time. Programs of one group run together and share its rows.
-        pid_kn = tl.program_id(0)
-        e = tl.program_id(1)
-        num_n = tl.cdiv(N, BLOCK_N)
-        ks = (pid_kn // num_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-        cols = (pid_kn % num_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_mask = ks < K
-        col_mask = cols < N
-        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(offsets_ptr + e)
-
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_M):
-            rows = (t0 + tl.arange(0, BLOCK_M)).to(tl.int64)
-            row_mask = rows < end
-            xt = tl.load(x_ptr + rows[None, :] * stride_xt + ks[:, None] * stride_xk,
-                         mask=k_mask[:, None] & row_mask[None, :], other=0.0)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dyt + cols[None, :] * stride_dyn,
-                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            if UPCAST:
-                xt = xt.to(tl.float32)
-                dy = dy.to(tl.float32)
-            acc = tl.dot(xt, dy, acc)
-
-        dw_ptrs = dw_ptr + e.to(tl.int64) * stride_dwe + ks[:, None] * stride_dwk + cols[None, :] * stride_dwn
-        tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
-
-    return _grouped_mm_kernel, _grouped_mm_wgrad_kernel
+    dw_ptrs = dw_ptr + e.to(tl.int64) * stride_dwe + ks[:, None] * stride_dwk + cols[None, :] * stride_dwn
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=k_mask[:, None] & col_mask[None, :])
 
 
 def _cdiv(a: int, b: int) -> int:

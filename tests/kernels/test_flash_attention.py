@@ -1,0 +1,145 @@
+"""moetron.kernels.flash_attention against plain eager attention, on fresh random inputs.
+
+Legend: B batch, H query heads, G key/value heads, S_Q / S_K query / key positions, D head dim.
+Triton tests run compiled on a GPU or interpreted on CPU, each in its own process (a bad
+pointer in an interpreted kernel corrupts memory instead of raising). Under the interpreter the
+tiles are 32 wide, so lengths of 45-100 cover two tiles plus a ragged edge.
+"""
+
+import math
+
+import pytest
+import torch
+
+from moetron.kernels import flash_attention, flash_attention_reference
+
+
+def _naive_attention(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale):
+    """Independent of flash_attention_reference: repeat K/V per query head, one head at a time,
+    explicit positions, softmax, all in float64."""
+    B, H, S_Q, D = q_BHSD.shape
+    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
+    out = []
+    for h in range(H):
+        q, k, v = q_BHSD[:, h], k_BGSD[:, h // (H // G)], v_BGSD[:, h // (H // G)]
+        s = torch.einsum("bid,bjd->bij", q, k) * scale
+        for i in range(S_Q):
+            pos = i + max(S_K - S_Q, 0)
+            for j in range(S_K):
+                if alibi_slopes_H is not None:
+                    s[:, i, j] = s[:, i, j] + float(alibi_slopes_H[h]) * (j - pos)
+                if causal and j > pos:
+                    s[:, i, j] = float("-inf")
+        out.append(torch.einsum("bij,bjd->bid", torch.softmax(s, dim=-1), v))
+    return torch.stack(out, dim=1)
+
+
+def _inputs(B, H, G, S_Q, S_K, D, dtype, device, alibi):
+    q = torch.randn(B, H, S_Q, D, device=device, dtype=dtype)
+    k = torch.randn(B, G, S_K, D, device=device, dtype=dtype)
+    v = torch.randn(B, G, S_K, D, device=device, dtype=dtype)
+    # ALiBi's geometric slopes 2^(-8h/H), the bias the paper uses.
+    slopes = 2.0 ** (-8.0 * torch.arange(1, H + 1, device=device) / H) if alibi else None
+    return q, k, v, slopes
+
+
+def _reference_grads(q, k, v, causal, slopes, do):
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64, lse64 = flash_attention_reference(q64, k64, v64, causal, slopes, None, return_lse=True)
+    o64.backward(do.double())
+    return o64, lse64, q64.grad, k64.grad, v64.grad
+
+
+CASES = {
+    # name: (B, H, G, S_Q, S_K, D, causal, alibi, dtype)
+    "d32-causal": (1, 2, 2, 70, 70, 32, True, False, torch.float32),
+    "d64-full-gqa-alibi": (1, 4, 2, 70, 70, 64, False, True, torch.float32),
+    "d128-causal-mqa": (1, 4, 1, 45, 45, 128, True, False, torch.float32),
+    "d64-decode-kvcache-alibi": (1, 4, 2, 37, 90, 64, True, True, torch.float32),
+    "d64-more-queries-than-keys": (1, 2, 1, 90, 37, 64, True, False, torch.float32),
+    "d32-one-query": (2, 4, 2, 1, 77, 32, True, True, torch.float32),
+    "d64-bf16-causal-gqa-alibi": (1, 4, 2, 70, 70, 64, True, True, torch.bfloat16),
+    "d32-fp16-full": (1, 2, 1, 45, 70, 32, False, False, torch.float16),
+}
+
+
+@pytest.mark.forked
+@pytest.mark.parametrize("case", list(CASES))
+def test_triton_matches_reference(case, triton_target, close):
+    backend, device = triton_target
+    B, H, G, S_Q, S_K, D, causal, alibi, dtype = CASES[case]
+    q, k, v, slopes = _inputs(B, H, G, S_Q, S_K, D, dtype, device, alibi)
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(q1, k1, v1, causal, slopes, backend=backend)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o64, lse64, dq64, dk64, dv64 = _reference_grads(q, k, v, causal, slopes, do)
+    _, lse = torch.ops.moetron.flash_attention_fwd(q, k, v, causal, slopes, D**-0.5, backend)
+
+    assert o.dtype == dtype and q1.grad.dtype == dtype and k1.grad.dtype == dtype
+    close(o, o64, dtype, f"{case} o")
+    close(lse, lse64, torch.float32, f"{case} logsumexp")
+    close(q1.grad, dq64, dtype, f"{case} dq")
+    close(k1.grad, dk64, dtype, f"{case} dk")
+    close(v1.grad, dv64, dtype, f"{case} dv")
+
+
+@pytest.mark.forked
+def test_triton_strided_inputs_and_scale(triton_target, close):
+    """q, k, v as transposed views of (B, S, heads, D) projections, the layout a model produces,
+    and an explicit softmax scale."""
+    backend, device = triton_target
+    B, S, H, G, D = 2, 50, 4, 2, 64
+    q = torch.randn(B, S, H, D, device=device).transpose(1, 2)
+    k = torch.randn(B, S, G, D, device=device).transpose(1, 2)
+    v = torch.randn(B, S, G, D, device=device).transpose(1, 2)
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(qs, ks, vs, True, None, 0.3, backend=backend)
+    do = torch.randn_like(o)
+    o.backward(do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64 = flash_attention_reference(q64, k64, v64, True, None, 0.3)
+    o64.backward(do.double())
+    close(o, o64, torch.float32, "strided o")
+    for name, got, want in (("dq", qs.grad, q64.grad), ("dk", ks.grad, k64.grad), ("dv", vs.grad, v64.grad)):
+        close(got, want, torch.float32, f"strided {name}")
+
+
+@pytest.mark.parametrize("causal,alibi,S_Q,S_K", [(True, True, 5, 9), (False, True, 7, 7), (True, False, 9, 4)])
+def test_reference_matches_naive_attention(causal, alibi, S_Q, S_K, close):
+    """The reference itself against a per-head, per-entry loop (positions, GQA, ALiBi sign)."""
+    q, k, v, slopes = _inputs(2, 4, 2, S_Q, S_K, 8, torch.float64, torch.device("cpu"), alibi)
+    got = flash_attention(q, k, v, causal, slopes)
+    want = _naive_attention(q, k, v, causal, slopes, 1 / math.sqrt(8))
+    close(got, want, torch.float64, "reference vs naive")
+
+
+def test_torch_backend_gradcheck():
+    q, k, v, slopes = _inputs(1, 4, 2, 5, 7, 8, torch.float64, torch.device("cpu"), alibi=True)
+    fn = lambda q, k, v: flash_attention(q, k, v, True, slopes)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, tuple(t.requires_grad_() for t in (q, k, v)))
+
+
+def test_traced_by_torch_compile(close):
+    q, k, v, slopes = _inputs(1, 4, 2, 9, 9, 16, torch.float32, torch.device("cpu"), alibi=True)
+
+    def loss(q, k, v):
+        return flash_attention(q, k, v, True, slopes).square().sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    a = [t.clone().requires_grad_() for t in (q, k, v)]
+    b = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled(*a).backward()
+    loss(*b).backward()
+    for name, x, y in zip("qkv", a, b):
+        close(x.grad, y.grad, torch.float32, f"compiled d{name}")
+
+
+def test_checks_arguments():
+    q, k = torch.randn(1, 3, 5, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="divisible"):
+        flash_attention(q, k, k)
+    with pytest.raises(ValueError, match="alibi"):
+        flash_attention(q, q, q, alibi_slopes_H=torch.ones(2))
+    with pytest.raises(ValueError, match="CUDA"):
+        flash_attention(q, q, q, backend="triton")
