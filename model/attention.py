@@ -81,6 +81,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.backend = backend
+        # Which flash-attention implementation the "triton" backend runs; None: automatic.
+        self.kernel_backend: str | None = None
         self.scale = head_dim**-0.5
         self.wq = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.wk = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -115,7 +117,7 @@ class Attention(nn.Module):
             from moetron.kernels import flash_attention
 
             return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=True, alibi_slopes_H=slopes_H,
-                                   softmax_scale=self.scale)
+                                   softmax_scale=self.scale, backend=self.kernel_backend)
         if self.backend == "sdpa" and slopes_H is None and S == L:
             return F.scaled_dot_product_attention(
                 q_BHSDh, k_BGLDh, v_BGLDh, is_causal=True, scale=self.scale,

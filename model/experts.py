@@ -19,6 +19,8 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, d_model: int, d_ff: int, activation: str, impl: str = "grouped"):
         super().__init__()
         self.activation, self.impl = activation, impl
+        # Which grouped-GEMM implementation runs (see moetron.kernels.backend); None: automatic.
+        self.kernel_backend: str | None = None
         self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
@@ -29,7 +31,11 @@ class GroupedExperts(nn.Module):
             # Grouped GEMM has no autocast rule; cast here so it runs in the autocast dtype too.
             dtype = torch.get_autocast_dtype(x_AD.device.type)
             x_AD, weights = x_AD.to(dtype), [w.to(dtype) for w in weights]
-        mm = grouped_mm if self.impl == "grouped" else _loop_mm
+        if self.impl == "grouped":
+            def mm(x, w, offsets):
+                return grouped_mm(x, w, offsets, backend=self.kernel_backend)
+        else:
+            mm = _loop_mm
         gate_AF = mm(x_AD, weights[0], offsets_E)
         up_AF = mm(x_AD, weights[1], offsets_E) if self.w_up_EDF is not None else None
         return mm(activate(self.activation, gate_AF, up_AF), weights[-1], offsets_E)

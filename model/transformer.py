@@ -136,6 +136,14 @@ class Decoder(nn.Module):
                                                cfg.rope_scaling_factor))
         self.alibi_slopes_H.copy_(alibi_slopes(cfg.n_heads))
 
+    def set_kernel_backend(self, backend: str | None) -> None:
+        """Run the fused ops (grouped GEMM, flash attention) with `backend`: "triton", "torch",
+        "interpret" (Triton's CPU interpreter), or None/"auto" for Triton on CUDA and torch elsewhere."""
+        backend = None if backend == "auto" else backend
+        for module in self.modules():
+            if hasattr(module, "kernel_backend"):
+                module.kernel_backend = backend
+
     def new_caches(self, batch: int, max_len: int, *, dtype=None, device=None) -> list[KVCache]:
         """One empty KV cache per layer, for `generate`."""
         cfg = self.cfg
