@@ -49,7 +49,50 @@ def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
     return True
 
 
+# Row block the CPU path rounds group sizes up to (see _cpu_windows).
+CPU_ROW_BLOCK = 128
+
+
+def _cpu_windows(ends: list[int], num_rows: int):
+    """For each non-empty group [s, e): a window [a, a + m) of rows that contains it, m being the
+    group size rounded up to CPU_ROW_BLOCK (shifted back when it would run past the last row). oneDNN builds and caches a kernel per new matmul shape; ragged group sizes make a
+    new shape every step, so time goes to setup and memory grows by megabytes per step. Rounded
+    windows keep the set of shapes small; the rows they borrow from neighbours are discarded."""
+    s = 0
+    for g, e in enumerate(ends):
+        if e > s:
+            m = min(-(-(e - s) // CPU_ROW_BLOCK) * CPU_ROW_BLOCK, num_rows)
+            a = min(s, num_rows - m)
+            yield g, s, e, a, m
+        s = e
+
+
+def _grouped_mm_cpu(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # NOTE: host-device sync (a no-op on CPU) to read the group boundaries.
+    ends = offsets_E.tolist()
+    y_TN = x_TK.new_empty(x_TK.shape[0], w_EKN.shape[2])
+    y_TN[ends[-1] if ends else 0 :] = 0  # rows past the last group belong to none
+    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0]):
+        y_TN[s:e] = (x_TK[a : a + m] @ w_EKN[g])[s - a : e - a]
+    return y_TN
+
+
+def _grouped_mm_wgrad_cpu(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    # NOTE: host-device sync (a no-op on CPU) to read the group boundaries.
+    ends = offsets_E.tolist()
+    dw_EKN = x_TK.new_zeros(len(ends), x_TK.shape[1], dy_TN.shape[1])
+    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0]):
+        # Rows borrowed from neighbouring groups must not contribute: zero their gradient.
+        dy_MN = dy_TN[a : a + m].clone()
+        dy_MN[: s - a] = 0
+        dy_MN[e - a :] = 0
+        dw_EKN[g] = x_TK[a : a + m].T @ dy_MN
+    return dw_EKN
+
+
 def _grouped_mm_torch(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if x_TK.device.type == "cpu" and x_TK.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return _grouped_mm_cpu(x_TK, w_EKN, offsets_E)
     # NOTE: host-device sync to read the number of grouped rows: torch._grouped_mm leaves rows
     # past the last offset uninitialized, so they are kept out of it.
     end = int(offsets_E[-1]) if offsets_E.numel() else 0
@@ -62,6 +105,8 @@ def _grouped_mm_torch(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.
 
 
 def _grouped_mm_wgrad_torch(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    if x_TK.device.type == "cpu" and x_TK.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return _grouped_mm_wgrad_cpu(x_TK, dy_TN, offsets_E)
     # NOTE: host-device sync to read the number of grouped rows (see _grouped_mm_torch).
     end = int(offsets_E[-1]) if offsets_E.numel() else 0
     xt_KT = x_TK[:end].T

@@ -146,3 +146,25 @@ def test_import_and_torch_path_without_triton():
         "assert 'moetron.kernels.grouped_mm_triton' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_with_groups_larger_than_its_row_block(dtype, close):
+    """The CPU path computes row windows rounded to CPU_ROW_BLOCK and discards borrowed rows;
+    groups of 0, 1, block±1 and several blocks, plus unowned tail rows, must all come out exact."""
+    from moetron.kernels.grouped_mm import CPU_ROW_BLOCK as B
+
+    sizes = [0, B + 2, B - 1, 1, 3 * B + 5, 0, 7]
+    offsets_E = torch.tensor(sizes, dtype=torch.int32).cumsum(0).to(torch.int32)
+    x_TK = torch.randn(int(offsets_E[-1]) + 33, 24, dtype=dtype, requires_grad=True)
+    w_EKN = torch.randn(len(sizes), 24, 40, dtype=dtype, requires_grad=True)
+    dy_TN = torch.randn(x_TK.shape[0], 40, dtype=dtype)
+    y = grouped_mm(x_TK, w_EKN, offsets_E, backend="torch")
+    dx, dw = torch.autograd.grad(y, (x_TK, w_EKN), dy_TN)
+    x64, w64 = x_TK.detach().double().requires_grad_(), w_EKN.detach().double().requires_grad_()
+    y64 = grouped_mm_reference(x64, w64, offsets_E)
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy_TN.double())
+    close(y, y64, dtype, "cpu y")
+    close(dx, dx64, dtype, "cpu dx")
+    close(dw, dw64, dtype, "cpu dw")
+    assert torch.all(y[int(offsets_E[-1]) :] == 0)
