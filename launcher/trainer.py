@@ -8,6 +8,7 @@ Legend: B sequences per micro-batch, S sequence length, V vocabulary.
 from __future__ import annotations
 
 import contextlib
+import json
 import signal
 import threading
 import time
@@ -17,14 +18,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from moetron.launcher.config import Config, ConfigError
+from moetron.launcher.bootstrap import detect_rank, init_distributed, shutdown
+from moetron.launcher.config import Config, ConfigError, validate_launch
+from moetron.launcher.dashboards import start_run_dashboards
 from moetron.launcher.data import WindowSampler, load_token_data, validation_batches
 from moetron.launcher.metrics import MetricsLogger
 from moetron.launcher.optim import build_optimizer, lr_at, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model import Decoder, build_model
-from moetron.parallel.checkpoint import load_checkpoint, save_checkpoint
+from moetron.parallel.checkpoint import Checkpointer, ExpertShards, load_checkpoint
+from moetron.parallel.mesh import build_mesh
+from moetron.parallel.parallelize import ParallelModel, parallelize
 
 
 class StopFlag:
@@ -41,6 +46,9 @@ class StopFlag:
         if threading.current_thread() is threading.main_thread():
             for s in self.SIGNALS:
                 self._previous[s] = signal.signal(s, self._handle)
+            # `python -m moetron` holds SIGUSR1 pending until here (see __main__.py): one that came
+            # during start-up is delivered now, and the loop stops before its first step.
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -49,11 +57,27 @@ class StopFlag:
         self.signum = signum
 
     def __exit__(self, *exc) -> None:
+        if self._previous:
+            # A late SIGUSR1 (the checkpoint is written) stays pending instead of killing the rank.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
         for s, handler in self._previous.items():
             signal.signal(s, handler)
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+    def agreed(self, device: torch.device) -> bool:
+        """Whether any rank has been signalled. Ranks receive a signal at slightly different
+        moments; all must stop after the same step, or those still training would wait forever
+        in a collective for those that went on to checkpoint."""
+        if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            return bool(self)
+        flag = torch.tensor([float(bool(self))], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        # NOTE: host-device sync to read the flag, once per step.
+        if flag.item() and self.signum is None:
+            self.signum = signal.SIGUSR1  # told by another rank
+        return bool(flag.item())
 
 
 def resolve_device(cfg: Config) -> torch.device:
@@ -78,39 +102,39 @@ class StepResult:
     moe: dict
 
 
+def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over tokens, in fp32 (logits may be a DTensor split over V under TP)."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+
+
 def language_model_loss(model: Decoder, batch_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Next-token cross entropy (mean over tokens, fp32) and the MoE aux losses of one micro-batch."""
     out = model(batch_BS1[:, :-1])
-    ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), batch_BS1[:, 1:].flatten())
-    return ce, out.aux_loss, out.moe
+    return next_token_cross_entropy(out.logits_BSV, batch_BS1[:, 1:]), out.aux_loss, out.moe
 
 
-def train_step(model: Decoder, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
+def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
+    """This rank's part of the model: built on the meta device, split and sharded for the layout,
+    then materialized with the same initial weights as one process (see moetron.parallel)."""
+    mesh = build_mesh(cfg.parallel, torch.distributed.get_world_size(), device.type)
+    return parallelize(build_model(cfg.model, device="meta"), mesh, cfg.parallel, seed=cfg.train.seed,
+                       device=device, cross_entropy=next_token_cross_entropy, compile=cfg.train.compile)
+
+
+def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
                grad_accum: int, grad_clip: float, autocast) -> StepResult:
-    ce_sum, aux_sum, moe = 0.0, 0.0, {}
-    for micro_BS1 in batch_BS1.chunk(grad_accum):
-        with autocast():
-            ce, aux, moe = language_model_loss(model, micro_BS1)
-        ((ce + aux) / grad_accum).backward()
-        ce_sum += ce.detach()
-        aux_sum += aux.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    """One optimizer step on the global batch; this rank computes its data-parallel slice."""
+    losses = pm.forward_backward(pm.local_batch(batch_BS1), grad_accum=grad_accum, autocast=autocast)
+    grad_norm = pm.clip_grad_norm_(grad_clip if grad_clip > 0 else float("inf"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    # NOTE: host-device sync to read the losses.
-    return StepResult(float(ce_sum) / grad_accum, float(aux_sum) / grad_accum, float(grad_norm), moe)
+    ce, aux = pm.global_losses(losses.ce, losses.aux)
+    return StepResult(ce, aux, float(grad_norm), losses.moe)
 
 
-@torch.no_grad()
-def evaluate(model: Decoder, batches: list[torch.Tensor], autocast, device) -> float:
-    model.eval()
-    losses = []
-    for b in batches:
-        with autocast():
-            losses.append(language_model_loss(model, b.to(device))[0])
-    model.train()
-    return float(torch.stack(losses).mean())
+def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -> float:
+    ce = [pm.evaluate(pm.local_batch(b.to(device)), autocast) for b in batches]
+    return pm.global_losses(torch.stack(ce).mean(), torch.zeros((), device=device))[0]
 
 
 def moe_summary(moe: dict) -> dict[str, float]:
@@ -126,11 +150,49 @@ def moe_summary(moe: dict) -> dict[str, float]:
 
 
 def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print) -> Path:
-    """Train on one process; returns the run folder. `exit_after` stops (with a checkpoint) after
-    that many steps of this invocation, as a preemption would."""
+    """Train on this process, one rank of a launch (torchrun, srun, mpirun) or the only one;
+    returns the run folder. `exit_after` stops (with a checkpoint) after that many steps of this
+    invocation, as a preemption would."""
+    info = detect_rank()
+    validate_launch(cfg, info.world_size)  # before any process group starts
+    if torch.distributed.is_initialized():  # a caller that already joined the group keeps it
+        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg))
+    device = init_distributed(info)
+    try:
+        return _train(cfg, resume, exit_after, console if info.is_main else _quiet, info,
+                      device if info.world_size > 1 else resolve_device(cfg))
+    finally:
+        shutdown()
+
+
+def _quiet(*args, **kwargs) -> None:
+    """The console of ranks other than 0."""
+
+
+def _on_rank0(fn):
+    """Run `fn` on rank 0 and hand its result (or its exception) to every rank."""
+    box: list = [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            box[0] = (True, fn())
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+            box[0] = (False, e)
+    torch.distributed.broadcast_object_list(box, src=0)
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _train(cfg: Config, resume: str, exit_after: int | None, console, info, device: torch.device) -> Path:
     t = cfg.train
-    run = open_run_dir(cfg, resume)
-    device = resolve_device(cfg)
+    run = _on_rank0(lambda: open_run_dir(cfg, resume))  # one decision, one folder, for all ranks
+    if info.world_size > 1:
+        console(f"{info.world_size} ranks, launched by {info.launcher}, rendezvous at {info.master_addr}:{info.master_port}")
+    if run.resume_from is not None and _checkpoint_step(run.resume_from) >= t.steps:
+        # A job requeued after its last step (the signal came late) must not spend its start.
+        console(f"{run.path} already finished: {run.resume_from} is at step {t.steps}; nothing to train")
+        return run.path
     if t.threads:
         torch.set_num_threads(t.threads)
     bf16 = use_bf16(cfg, device)
@@ -143,64 +205,92 @@ def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, c
         raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: must be >= the tokenizer's "
                           f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
     torch.manual_seed(t.seed)
-    model = build_model(cfg.model, device=device)
+    pm = build_parallel_model(cfg, device)
+    model = pm.module
+    model.set_kernel_backend(cfg.kernel.backend)
     optimizer = build_optimizer(model, t)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
     step, tokens = 0, 0
+    # Routed experts are plain row blocks per ep rank; the checkpoint stores them as one tensor.
+    ep_shards = ExpertShards(frozenset(pm.expert_sharded), pm.mesh.sub("ep")) if pm.expert_sharded else None
     if run.resume_from is not None:
-        state = load_checkpoint(run.resume_from, model, optimizer)
+        state = load_checkpoint(run.resume_from, model, optimizer, expert_shards=ep_shards)
         step, tokens = state["step"], state["tokens"]
         sampler.load_state_dict(state["sampler"])
-        truncate_metrics(run.path, step)
+        if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
+            truncate_metrics(run.path, step)
         console(f"resumed from {run.resume_from} at step {step}")
 
-    metrics = MetricsLogger(run.path, purge_step=step + 1 if step else None)
+    metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=step + 1 if step else None)
     metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
+    meter, dashboards = start_run_dashboards(cfg, metrics, device, bf16, world_size=info.world_size, console=console)
     tokens_per_step = t.batch_size * t.seq_len
 
-    def checkpoint() -> Path:
-        return save_checkpoint(run.checkpoints, step, model, optimizer, {
+    checkpointer = Checkpointer(run.checkpoints, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save,
+                                expert_shards=ep_shards)
+    saved_step = step if run.resume_from is not None else None
+
+    def checkpoint() -> Path | None:
+        """The finished checkpoint, or None while an async one is being written."""
+        nonlocal saved_step
+        saved_step = step
+        return checkpointer.save(step, model, optimizer, {
             "step": step, "tokens": tokens, "sampler": sampler.state_dict(),
-            "config": cfg.to_dict(), "layout": {"world_size": 1}}, keep=t.checkpoint.keep)
+            "config": cfg.to_dict(), "layout": {"world_size": info.world_size, **cfg.to_dict()["parallel"]}})
 
     last_ckpt = run.resume_from
     stopped = None
-    with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=True) as progress:
-        window_t0, window_tokens = time.perf_counter(), 0
+    with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress:
+        # Throughput counts the time of training iterations only, not evaluation or checkpoints.
+        window_time, window_tokens = 0.0, 0
         stop_at = min(t.steps, step + exit_after) if exit_after else t.steps
-        while step < stop_at and not stop:
+        while step < stop_at and not stop.agreed(device):
+            iter_t0 = time.perf_counter()
             lr = lr_at(step, t)
             set_lr(optimizer, lr)
             batch = sampler.next_batch(t.batch_size).to(device)
             step_t0 = time.perf_counter()
-            result = train_step(model, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
-                                autocast=autocast)
+            with meter.step(model, tokens_per_step):
+                result = train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
+                                    autocast=autocast)
             step_time = time.perf_counter() - step_t0
             step += 1
             tokens += tokens_per_step
             window_tokens += tokens_per_step
+            window_time += time.perf_counter() - iter_t0
             record = {"loss": result.loss, "lr": lr, "tokens": tokens}
             if step % t.log_every == 0 or step == t.steps:
-                elapsed = time.perf_counter() - window_t0
                 record.update(grad_norm=result.grad_norm, aux_loss=result.aux_loss,
-                              tokens_per_s=window_tokens / elapsed, step_time=step_time, **moe_summary(result.moe))
-                window_t0, window_tokens = time.perf_counter(), 0
+                              tokens_per_s=window_tokens / window_time, step_time=step_time,
+                              **moe_summary(result.moe))
+                record.update(meter.window(window_tokens, window_time))
+                dashboards.log_moe(step, result.moe)
+                window_time, window_tokens = 0.0, 0
             if step % t.eval_every == 0 or step == t.steps:
-                record["val_loss"] = evaluate(model, val_batches, autocast, device)
+                record["val_loss"] = evaluate(pm, val_batches, autocast, device)
             if len(record) > 3:
                 metrics.log(step, record)
             progress.update(step, record)
+            last_ckpt = checkpointer.poll() or last_ckpt
             if t.checkpoint.every and step % t.checkpoint.every == 0:
-                last_ckpt = checkpoint()
+                last_ckpt = checkpoint() or last_ckpt
         stopped = stop.signum
-        if last_ckpt is None or not last_ckpt.name.endswith(f"{step:08d}"):
-            last_ckpt = checkpoint()
+        # Before a fresh run's first step there is nothing to save, and a checkpoint of an optimizer
+        # that never stepped would not restore as one (DCP initializes its state by stepping it).
+        if saved_step != step and step > 0:
+            last_ckpt = checkpoint() or last_ckpt
+        last_ckpt = checkpointer.wait() or last_ckpt
     metrics.close()
     if stopped is not None:
-        console(f"stopped by signal {signal.Signals(stopped).name} after step {step}; "
-                f"checkpoint {last_ckpt}; rerun the same command to resume")
+        saved = f"checkpoint {last_ckpt}" if last_ckpt else "nothing to save before the first step"
+        console(f"stopped by signal {signal.Signals(stopped).name} after step {step}; {saved}; "
+                f"rerun the same command to resume")
     return run.path
+
+
+def _checkpoint_step(ckpt: Path) -> int:
+    return json.loads((ckpt / "state.json").read_text())["step"]
 
 
 def _yaml(cfg: Config) -> str:
