@@ -37,6 +37,8 @@ FIELDS: dict[str, Any] = {
     "requeue_limit": 0,
     "signal_seconds": None,
     "output": "%x-%j.out",
+    # Where the tasks start; default: the folder sbatch was run from.
+    "chdir": None,
 }
 
 # Values that reach sbatch as numbers must be positive (or zero where that means "none").
@@ -114,7 +116,7 @@ def _check(values: Mapping[str, Any]) -> None:
         raise SbatchError(
             f"sbatch field time={time!r} is not a Slurm time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS"
         )
-    for name in ("job_name", "partition", "account", "qos", "constraint", "output"):
+    for name in ("job_name", "partition", "account", "qos", "constraint", "output", "chdir"):
         value = values[name]
         if value is not None and (not isinstance(value, str) or not value or any(c.isspace() for c in value)):
             raise SbatchError(f"sbatch field {name}={value!r} must be a non-empty string without spaces")

@@ -25,11 +25,14 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from moetron.launcher.bootstrap import detect_rank
     from moetron.launcher.config import load_config
     from moetron.launcher.trainer import train
 
     cfg = load_config(args.config, args.overrides)
     run_path = train(cfg, resume=args.resume, exit_after=args.exit_after)
+    if not detect_rank().is_main:
+        return 0
     print(f"run folder:   {run_path}")
     print(f"metrics:      {run_path / 'metrics.jsonl'}")
     print(f"tensorboard:  tensorboard --logdir {run_path / 'tensorboard'}")

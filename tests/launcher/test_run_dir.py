@@ -132,3 +132,17 @@ def test_export_writes_the_live_model(tmp_path, straight):
     assert config["model"]["d_model"] == 64 and config["step"] == 20
     again = cli("export", straight, "--out", out)
     assert again.returncode == 2 and "already exists" in again.stderr
+
+
+def test_same_run_stopped_before_its_first_checkpoint_starts_again(tmp_run_dir):
+    # A job preempted or requeued while starting leaves config.yaml (and maybe metrics) but no
+    # checkpoint; its next attempt, with the same config, starts afresh instead of being refused.
+    from moetron.launcher.run_dir import RunError, open_run_dir
+
+    cfg = small(tmp_run_dir, "train.name=early")
+    first = open_run_dir(cfg)
+    (first.path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    again = open_run_dir(cfg)
+    assert again.resume_from is None and (first.path / "metrics.jsonl").read_text() == ""
+    with pytest.raises(RunError, match="no complete checkpoint"):
+        open_run_dir(small(tmp_run_dir, "train.name=early", "train.lr=1e-3"))

@@ -1,0 +1,76 @@
+"""`moetron submit CONFIG [key=value ...] --nodes N --gpus-per-node G ...`: a Slurm batch job that
+trains the config, checkpoints on its time-limit or preemption signal, requeues and resumes."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "submit", help="submit a training job to Slurm",
+        description="Submit a Slurm batch job that trains CONFIG: one task per GPU (on CPU-only nodes, "
+                    "the layout's parallel.pp × dp × tp ranks), every task started by srun. Ahead of "
+                    "the time limit, or when preempted, every rank finishes its step and checkpoints; "
+                    "the job then requeues itself (up to --requeue-limit times) and resumes into the "
+                    "same run folder. The batch script and the resolved config are written to "
+                    "<run>/slurm/, so `sbatch <run>/slurm/job.sbatch` submits the same job by hand. "
+                    "Flags left out take the config's `slurm:` section.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("--nodes", type=int, help="nodes (default: slurm.nodes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, one rank each; 0: CPU-only nodes")
+    p.add_argument("--cpus-per-task", type=int, help="CPU cores per rank")
+    p.add_argument("--partition", help="partition (default: slurm.partition, else the cluster's default)")
+    p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--account", help="account to charge")
+    p.add_argument("--qos", help="quality of service")
+    p.add_argument("--constraint", help="node features, e.g. h100")
+    p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
+    p.add_argument("--requeue-limit", type=int, metavar="K", help="times the job requeues itself after a checkpoint")
+    p.add_argument("--signal-seconds", type=int, metavar="S",
+                   help="seconds before the time limit at which the ranks are told to checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from moetron.launcher.config import load_config
+    from moetron.launcher.jobs import Slurm, active_jobs
+    from moetron.launcher.submit import (
+        apply_flags, build_submission, check_partition, check_run_folder, partitions, record_job, sbatch,
+        write_submission,
+    )
+
+    cfg = load_config(args.config, args.overrides)
+    slurm_cfg = apply_flags(
+        cfg.slurm, nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+        partition=args.partition, time=args.time, account=args.account, qos=args.qos,
+        constraint=args.constraint, exclusive=args.exclusive, requeue_limit=args.requeue_limit,
+        signal_seconds=args.signal_seconds)
+    sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
+    # A dry run works away from a cluster too; where sinfo answers, the partition is checked as well.
+    if not args.dry_run or shutil.which("sinfo"):
+        check_partition(slurm_cfg.partition, partitions())
+    if args.dry_run:
+        sys.stdout.write(sub.script)
+        print(f"moetron submit: dry run, nothing written or submitted; the script would go to {sub.script_path}",
+              file=sys.stderr)
+        return 0
+
+    slurm = Slurm()
+    check_run_folder(sub.config, lambda path: active_jobs(slurm, path))
+    script = write_submission(sub)
+    job_id = sbatch(script)
+    record_job(sub, job_id, slurm_cfg)
+    print(f"submitted job {job_id}: {sub.tasks} rank(s) on {slurm_cfg.nodes} node(s)")
+    print(f"run folder:   {sub.run_path}")
+    print(f"script:       {script}")
+    print(f"log:          {sub.folder / f'{job_id}.out'}   (moetron logs {job_id} -f)")
+    print(f"status:       moetron status {job_id}")
+    return 0

@@ -1,0 +1,279 @@
+"""Real jobs on the local Slurm, submitted with `moetron submit`: a 2-rank CPU run, and the three
+ways a run is interrupted (`scontrol requeue`, preemption by the `urgent` partition, the time
+limit), each ending in the same losses as the uninterrupted run; a 2-rank run bootstrapped by
+mpirun; `moetron status`, `logs` and `cancel` on live jobs; and an unknown partition refused.
+
+Time: the node has 2 CPUs and a 2-rank job takes both, so jobs run one after another. Slurm checks
+time limits only every ~30 s and a requeued job waits ~11 s for its credential to expire, which
+sets the floor of the time-limit test (~1 min).
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slurm]
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+# A few seconds of compute per job (d_model 64, 2 layers, 4 sequences of 32 tokens).
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
+        "model.moe.d_expert=64", "train.seq_len=32", "train.batch_size=4", "train.threads=1",
+        "train.warmup_steps=5", "train.eval_batches=2", "train.checkpoint.every=0", "train.checkpoint.keep=5"]
+STEPS = 60
+TWO_RANKS = TINY + ["parallel.dp=2", f"train.steps={STEPS}", "train.log_every=5", f"train.eval_every={STEPS}"]
+_LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "TORCHELASTIC_")
+_LAUNCH_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+@pytest.fixture(scope="module")
+def env(slurm_conf) -> dict:
+    """What jobs inherit: no launcher's variables (the tests may run inside a job), one thread."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
+    return {**clean, "SLURM_CONF": slurm_conf, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("jobs")
+
+
+def moetron(args, env, cwd, timeout=120, check=True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "moetron", *map(str, args)], env=env, cwd=cwd,
+                         capture_output=True, text=True, timeout=timeout)
+    if check and out.returncode != 0:
+        raise AssertionError(f"moetron {' '.join(map(str, args))} exited {out.returncode}:\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def slurm(argv, env, check=True) -> str:
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+    if check and out.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} exited {out.returncode}: {out.stderr}")
+    return out.stdout
+
+
+class Job:
+    """A job submitted with `moetron submit` into <workdir>/runs/<name>."""
+
+    def __init__(self, name, overrides, flags, env, workdir):
+        self.env, self.workdir = env, workdir
+        self.run = workdir / "runs" / name
+        out = moetron(["submit", CONFIG, *overrides, "train.run_dir=runs", f"train.name={name}",
+                       "--gpus-per-node", "0", *flags], env, workdir)
+        self.id = out.stdout.split()[2].rstrip(":")
+        assert out.stdout.startswith(f"submitted job {self.id}:"), out.stdout
+
+    @property
+    def log(self) -> str:
+        path = self.run / "slurm" / f"{self.id}.out"
+        return path.read_text() if path.exists() else ""
+
+    def metrics(self) -> list[dict]:
+        path = self.run / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(r["step"] >= step for r in self.metrics()):
+            assert time.monotonic() < deadline, f"job {self.id} logged no step {step} in {timeout} s:\n{self.log}"
+            assert self.queued(), f"job {self.id} left the queue before step {step}:\n{self.log}"
+            time.sleep(0.2)
+
+    def queued(self) -> bool:
+        return bool(slurm(["squeue", "-h", "-j", self.id, "-o", "%i"], self.env, check=False).strip())
+
+    def wait_until_gone(self, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while self.queued():
+            if time.monotonic() > deadline:
+                slurm(["scancel", self.id], self.env, check=False)
+                raise AssertionError(f"job {self.id} still queued after {timeout} s:\n{self.log}")
+            time.sleep(0.5)
+
+    def states(self) -> list[str]:
+        """Every attempt's final state, per accounting (which may lag the controller a moment)."""
+        for _ in range(30):
+            out = slurm(["sacct", "-j", self.id, "--duplicates", "-X", "-n", "-P", "-o", "State"], self.env)
+            states = [line.split()[0] for line in out.splitlines() if line.strip()]  # "CANCELLED by 0"
+            if states and states[-1] not in ("RUNNING", "PENDING", "COMPLETING"):
+                return states
+            time.sleep(0.5)
+        return states
+
+    def checkpoints(self) -> list[str]:
+        return sorted(p.name for p in (self.run / "checkpoints").glob("step-*") if (p / "COMPLETE").exists())
+
+
+def losses(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r.get("val_loss")) for r in records]
+
+
+def assert_same_losses(job: Job, reference: list[dict]) -> None:
+    got = job.metrics()
+    assert [r["step"] for r in got] == [r["step"] for r in reference], "the resumed run's metrics.jsonl has gaps or repeats"
+    # Resuming is exact: model, optimizer, data position and RNG all come from the checkpoint.
+    assert losses(got) == losses(reference)
+
+
+@pytest.fixture(scope="module")
+def reference(env, workdir) -> Job:
+    """The uninterrupted 2-rank run the interrupted ones must reproduce. Submitted here, awaited
+    by whichever test needs it finished, so the status tests can watch it while it runs."""
+    return Job("reference", TWO_RANKS, ["--time", "10"], env, workdir)
+
+
+# --- watching a live job ----------------------------------------------------------------------------
+
+
+def test_status_logs_and_cancel_on_live_jobs(reference, env, workdir):
+    # A second job waits for the node the first one holds (or has just started); it is cancelled.
+    waiting = Job("cancelled", TWO_RANKS, ["--time", "10"], env, workdir)
+    reference.wait_for_step(5)
+    listing = moetron(["status"], env, workdir).stdout
+    assert reference.id in listing and str(reference.run) in listing and waiting.id in listing
+
+    by_run = moetron(["status", reference.run], env, workdir).stdout
+    assert f"run:         {reference.run}" in by_run
+    # Running still, or just finished: the run is short and each `moetron` call takes a moment.
+    assert any(f"job {reference.id}: {state}" in by_run for state in ("RUNNING", "COMPLETING", "COMPLETED")), by_run
+    assert f"/{STEPS}" in by_run  # progress: step N/60
+    assert moetron(["status", reference.id], env, workdir).stdout.splitlines()[0] == f"run:         {reference.run}"
+    assert "attempt 1 on" in moetron(["logs", reference.id], env, workdir).stdout
+
+    out = moetron(["cancel", waiting.id], env, workdir).stdout
+    assert out.startswith(f"cancelled job {waiting.id}")
+    waiting.wait_until_gone(30)
+    assert waiting.states() == ["CANCELLED"]
+    refused = moetron(["cancel", waiting.id], env, workdir, check=False)
+    assert refused.returncode == 2 and "is not queued or running (it ended CANCELLED)" in refused.stderr
+
+    # Following the log returns once the job has left the queue.
+    followed = moetron(["logs", reference.id, "-f"], env, workdir, timeout=240).stdout
+    assert f"step {STEPS}/{STEPS}" in followed
+
+
+def test_two_rank_job_finishes_with_checkpoint_and_metrics(reference):
+    reference.wait_until_gone()
+    assert reference.states() == ["COMPLETED"]
+    assert reference.checkpoints() == [f"step-{STEPS:08d}"]
+    state = json.loads((reference.run / "checkpoints" / f"step-{STEPS:08d}" / "state.json").read_text())
+    assert state["layout"]["world_size"] == 2
+    records = reference.metrics()
+    assert [r["step"] for r in records] == list(range(5, STEPS + 1, 5))
+    assert all(math.isfinite(r["loss"]) for r in records) and records[-1]["val_loss"] > 0
+    assert (reference.run / "config.yaml").is_file() and (reference.run / "slurm" / "job.sbatch").is_file()
+
+
+# --- interrupted runs end where the uninterrupted one did -------------------------------------------
+
+
+def test_scontrol_requeue_checkpoints_and_resumes(reference, env, workdir):
+    reference.wait_until_gone()
+    job = Job("requeued", TWO_RANKS, ["--time", "10"], env, workdir)
+    job.wait_for_step(5)
+    slurm(["scontrol", "requeue", job.id], env)
+    job.wait_until_gone()
+    # Slurm sends the ranks SIGTERM; they checkpoint and Slurm requeues the job itself.
+    assert job.states() == ["REQUEUED", "COMPLETED"]
+    assert "stopped by signal SIGTERM" in job.log and "resumed from" in job.log
+    assert len(job.checkpoints()) == 2  # the one written on the signal, and the last
+    assert_same_losses(job, reference.metrics())
+
+
+def test_preemption_by_the_urgent_partition(reference, env, workdir):
+    reference.wait_until_gone()
+    job = Job("preempted", TWO_RANKS, ["--time", "10", "--partition", "debug"], env, workdir)
+    job.wait_for_step(5)
+    urgent = slurm(["sbatch", "--parsable", "-p", "urgent", "-n", "1", "-o", "/dev/null", "--wrap", "true"], env).strip()
+    job.wait_until_gone()
+    # The preempted batch shell gets USR1 (--signal=B:USR1, preempt_send_user_signal), forwards it
+    # to every rank through srun, and requeues its job once they have checkpointed.
+    assert "stopped by signal SIGUSR1" in job.log and "requeueing" in job.log and "resumed from" in job.log
+    assert job.states()[-1] == "COMPLETED" and len(job.states()) == 2
+    started = slurm(["sacct", "-j", f"{job.id},{urgent}", "--duplicates", "-X", "-n", "-P", "-o", "JobID,Start"], env).split()
+    starts = [line.split("|") for line in started]
+    urgent_start = next(s for j, s in starts if j == urgent)
+    assert [s for j, s in starts if j == job.id][-1] >= urgent_start  # the urgent job ran in between
+    assert_same_losses(job, reference.metrics())
+
+
+def seconds_per_step(overrides, env, workdir) -> float:
+    """This machine's speed now, for one rank of `overrides` (its load varies several-fold)."""
+    moetron(["train", CONFIG, *overrides, "train.steps=40", "train.log_every=40", "train.eval_every=40",
+             "train.run_dir=calibration", "train.name=speed"], env, workdir)
+    [record] = [json.loads(line) for line in (workdir / "calibration" / "speed" / "metrics.jsonl").read_text().splitlines()]
+    return record["tokens"] / 40 / record["tokens_per_s"]
+
+
+def test_time_limit_checkpoints_requeues_and_resumes(reference, env, workdir):
+    # Slurm looks at time limits every 30 s and sends the warning at the first look that is less
+    # than `signal_seconds` + 30 s before the limit: with --time 1 and 20 s, 10–40 s into the job
+    # (if the ranks are still starting, they stop before their first step: see __main__.py). The
+    # run must outlast that, so its step count is sized from a measured speed. One rank (one CPU)
+    # lets the uninterrupted reference train on the other CPU at the same time.
+    reference.wait_until_gone()
+    steps = max(200, min(5000, int(30 / seconds_per_step(TINY, env, workdir))))
+    overrides = TINY + [f"train.steps={steps}", "train.log_every=25", f"train.eval_every={steps}"]
+    job = Job("timed", overrides, ["--time", "1", "--signal-seconds", "20", "--requeue-limit", "3"], env, workdir)
+    local = subprocess.Popen([sys.executable, "-m", "moetron", "train", CONFIG, *overrides, "train.run_dir=local",
+                              "train.name=timed"], env=env, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "requeueing" not in job.log:
+            assert time.monotonic() < deadline and job.queued(), f"job {job.id} was not warned before its limit:\n{job.log}"
+            time.sleep(0.5)
+        # Later attempts would be warned again 10–40 s after each start; a longer limit lets this
+        # test end after a single requeue (the limit counts from each start).
+        slurm(["scontrol", "update", f"JobId={job.id}", "TimeLimit=5"], env)
+        job.wait_until_gone()
+        _, err = local.communicate(timeout=300)
+        assert local.returncode == 0, err
+    finally:
+        local.kill()
+    assert "stopped by signal SIGUSR1" in job.log and "checkpointed before its limit" in job.log
+    # Warned while starting, the first attempt stops before its first step with nothing to save,
+    # and the second starts the same run afresh.
+    assert "resumed from" in job.log or "nothing to save before the first step" in job.log
+    assert job.states() == ["REQUEUED", "COMPLETED"]
+    reference_records = [json.loads(line) for line in (workdir / "local" / "timed" / "metrics.jsonl").read_text().splitlines()]
+    assert_same_losses(job, reference_records)
+
+
+# --- MPI ----------------------------------------------------------------------------------------------
+
+
+def test_two_ranks_bootstrapped_by_mpirun_train_the_same_losses(reference, env, workdir):
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed (slurm/install.sh installs it)")
+    reference.wait_until_gone()
+    train = [sys.executable, "-m", "moetron", "train", str(CONFIG), *TWO_RANKS, "train.run_dir=runs", "train.name=mpi"]
+    # mpirun inside the allocation: Open MPI's variables name the ranks, not Slurm's (which number
+    # mpirun's per-node daemons), and rank 0 broadcasts the rendezvous address through mpi4py.
+    command = " ".join(["mpirun", "--allow-run-as-root", "-np", "2", "--bind-to", "none", *train])
+    job = slurm(["sbatch", "--parsable", "-n", "2", "--time", "10", "-o", str(workdir / "mpi-%j.out"), "-D", str(workdir),
+                 "--wrap", command], env).strip()
+    deadline = time.monotonic() + 240
+    while slurm(["squeue", "-h", "-j", job, "-o", "%i"], env, check=False).strip():
+        assert time.monotonic() < deadline, f"MPI job {job} still queued after 240 s"
+        time.sleep(0.5)
+    log = (workdir / f"mpi-{job}.out").read_text()
+    assert "launched by mpi" in log, log
+    records = [json.loads(line) for line in (workdir / "runs" / "mpi" / "metrics.jsonl").read_text().splitlines()]
+    assert losses(records) == losses(reference.metrics())
+
+
+# --- refusals against the real cluster ------------------------------------------------------------
+
+
+def test_unknown_partition_is_refused_by_the_cluster(env, workdir):
+    out = moetron(["submit", CONFIG, *TINY, "train.run_dir=runs", "train.name=nowhere", "--partition", "gpu"],
+                  env, workdir, check=False)
+    assert out.returncode == 2
+    assert out.stderr == "moetron submit: unknown partition 'gpu'; this cluster has debug, urgent (from sinfo)\n"
+    assert not (workdir / "runs" / "nowhere").exists()
