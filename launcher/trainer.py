@@ -245,6 +245,13 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         # Throughput counts the time of training iterations only, not evaluation or checkpoints.
         window_time, window_tokens = 0.0, 0
         stop_at = min(t.steps, step + exit_after) if exit_after else t.steps
+        if step == 0:
+            # Where the validation curve starts (an untrained model sits near ln(vocab_size));
+            # TensorBoard only, so every metrics.jsonl record is a training step. Every rank
+            # evaluates: the loss is reduced across them.
+            initial_val_loss = evaluate(pm, val_batches, autocast, device)
+            if metrics.tensorboard is not None:
+                metrics.tensorboard.add_scalar("val_loss", initial_val_loss, 0)
         while step < stop_at and not stop.agreed(device):
             iter_t0 = time.perf_counter()
             lr = lr_at(step, t)

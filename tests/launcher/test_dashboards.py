@@ -173,3 +173,24 @@ def test_heatmap_colours_and_png():
     decoded = np.asarray(Image.open(io.BytesIO(encode_png(rgb))).convert("RGB"))
     assert (decoded == rgb).all()
     assert "MoE routing" not in custom_scalars_layout(moe=False)
+
+
+def test_validation_curve_starts_at_step_zero_near_uniform(tmp_path):
+    """Before any update the model predicts ~uniformly over the vocabulary: ln(V) nats."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moetron.launcher.config import load_config
+    from moetron.launcher.trainer import train
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, ["model.d_model=64", "model.n_layers=1", "model.n_heads=4", "model.n_kv_heads=2",
+                             "model.d_ff=128", "model.moe.d_expert=64", "train.seq_len=32", "train.batch_size=4",
+                             "train.steps=2", "train.eval_batches=2", "train.peak_tflops=1",
+                             f"train.run_dir={tmp_path}"])
+    run = train(cfg, console=lambda *_: None)
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    first = acc.Scalars("val_loss")[0]
+    assert first.step == 0 and abs(first.value - math.log(cfg.model.vocab_size)) < 0.1
