@@ -107,7 +107,8 @@ def test_ctrl_c_stops_cleanly_with_a_checkpoint(tmp_run_dir):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("command", [[], ["train"], ["data"], ["data", "prepare"]])
+@pytest.mark.parametrize("command", [[], ["train"], ["data"], ["data", "prepare"], ["generate"], ["convert"],
+                                     ["flops"], ["export"], ["submit"], ["status"], ["logs"], ["cancel"]])
 def test_help_explains_itself(command):
     proc = subprocess.run([sys.executable, "-m", "moetron", *command, "--help"], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "120"})
