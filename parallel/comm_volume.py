@@ -1,0 +1,239 @@
+"""Communication volume of one training step, predicted from the configs alone (no process group).
+
+Legend: T tokens per optimizer step (batch × seq_len), D model dim, V vocabulary, E experts, K top-k,
+L layers, N = pp × vpp pipeline stages, C forward chunks per rank (grad_accum × pipeline
+micro-batches), b bytes per activation element, R ranks that hold one pipeline stage (dp × tp).
+
+Bytes of one call follow nccl-tests' "size": all-reduce the buffer; all-gather the gathered
+output; reduce-scatter the full input; all-to-all the rows this rank sends (its own included);
+point-to-point the tensor sent (receives are not counted again). Every number is summed over all
+ranks of the job. A 1-rank group moves nothing and is left out. Wire bytes follow from the sizes
+by the usual factors ((n−1)/n for gather, scatter and all-to-all, 2(n−1)/n for a ring all-reduce).
+
+What moetron.parallel issues per step, by dimension (each rank of a stage sees T/dp tokens, so a
+per-token tensor summed over the R ranks of a stage is T·tp tokens):
+  tensor parallel   all-reduce of B×S×D after the row-parallel attention (and dense FFN) output
+                    in forward and at the column-parallel input in backward; one after the
+                    vocab-parallel embedding (forward) and one at the head's input (backward);
+                    three per-token fp32 all-reduces in the vocab-parallel cross entropy (max,
+                    sum of exponentials, target logit). No reduction of replicated weights'
+                    gradients: every tp rank saw the same tokens.
+  sequence parallel the same sites as all-gather / reduce-scatter pairs of the full B×S×D (the
+                    MoE layer gathers its input in forward and its output gradient in backward);
+                    each norm gain's gradient, a partial sum per S slice, is all-reduced once.
+  expert parallel   per MoE layer and chunk: the per-expert counts (E int64, forward), then the
+                    routed rows T/dp·K×D four times (dispatch and combine, forward and backward).
+                    Dropless; capacity routing sends at most this.
+  pipeline parallel per stage boundary and micro-batch: the activation forward, its gradient back.
+  data parallel     FSDP: every unit's parameters all-gathered in forward and again in backward
+                    (the root unit, which holds only what no child holds, is kept for backward),
+                    its gradients reduce-scattered once per step; DDP: one gradient all-reduce
+                    per unit and step. Units: each block, each block's routed experts (on the
+                    dp/ep ranks holding the same experts, when ep > 1), the embedding, the final
+                    norm with the head. Sizes are this rank's tp/ep shard, dim 0 padded to the group.
+  control           per step over all ranks: the global gradient norm (one float64), the loss
+                    reduction (two fp32) and the trainer's stop agreement (one fp32).
+Not modelled: linear biases under sequence parallel, FSDP under pipeline parallelism (assumed
+to gather per micro-batch like without it), activation checkpointing (recomputation re-sends the
+forward all-to-alls), the first step's pipeline shape exchange, evaluation and checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetron.model.config import ModelConfig
+from moetron.parallel.config import ParallelConfig
+
+KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One line of a prediction: `calls` collectives of `kind`, `bytes` in all, summed over ranks."""
+
+    kind: str
+    purpose: str
+    calls: int
+    bytes: int
+
+
+def predict_step(model: ModelConfig, par: ParallelConfig, *, batch: int, seq_len: int, grad_accum: int = 1,
+                 act_bytes: int = 4, param_bytes: int = 4, grad_bytes: int = 4) -> list[Traffic]:
+    """Every collective one optimizer step of `batch` sequences of `seq_len` tokens issues."""
+    step = _Step(model, par, batch * seq_len, grad_accum, act_bytes)
+    out = [*_tensor_parallel(step), *_expert_parallel(step), *_pipeline(step),
+           *_data_parallel(step, param_bytes, grad_bytes), *_control(par)]
+    return [t for t in out if t.calls]
+
+
+def by_kind(traffic: list[Traffic]) -> dict[str, dict[str, int]]:
+    """{kind: {"calls", "bytes"}} for every kind in KINDS (zeros where none)."""
+    out = {k: {"calls": 0, "bytes": 0} for k in KINDS}
+    for t in traffic:
+        out[t.kind]["calls"] += t.calls
+        out[t.kind]["bytes"] += t.bytes
+    return out
+
+
+@dataclass(frozen=True)
+class _Step:
+    model: ModelConfig
+    par: ParallelConfig
+    tokens: int
+    grad_accum: int
+    act_bytes: int
+
+    @property
+    def stage_ranks(self) -> int:
+        return self.par.dp * self.par.tp
+
+    @property
+    def chunks(self) -> int:
+        return self.grad_accum * (self.par.microbatches if self.par.pp > 1 else 1)
+
+    @property
+    def rank_tokens(self) -> int:
+        """Tokens seen by the ranks of one stage, summed: each of dp × tp sees T/dp."""
+        return self.tokens * self.par.tp
+
+    def per_chunk(self, kind: str, purpose: str, sites: int, bytes_per_token: int) -> Traffic:
+        """`sites` collectives per chunk on every rank of a stage, each moving its tokens' rows."""
+        return Traffic(kind, purpose, sites * self.stage_ranks * self.chunks,
+                       sites * self.rank_tokens * bytes_per_token)
+
+
+def _tensor_parallel(s: _Step) -> list[Traffic]:
+    m, p = s.model, s.par
+    if p.tp == 1:
+        return []
+    row = m.d_model * s.act_bytes
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    # Sites per step: attention in and out of every layer, dense FFN in and out, embedding, head.
+    matmul_sites = 2 * m.n_layers + 2 * (m.n_layers - n_moe) + 2
+    loss = s.per_chunk("all_reduce", "tp cross entropy (max, sum exp, target logit)", 3, 4)
+    if not p.sequence_parallel:
+        return [s.per_chunk("all_reduce", "tp activations", matmul_sites, row), loss]
+    # Each matmul site is one all-gather and one reduce-scatter, forward and backward in either
+    # order (the embedding's backward gathers its output gradient for the vocabulary rows' update,
+    # which plain TP gets for free); an MoE layer gathers on both sides instead.
+    gathers = matmul_sites + 2 * n_moe
+    scatters = matmul_sites
+    norm_params = (2 * m.n_layers + (m.norm_position == "pre")) * (2 if m.norm == "layernorm" else 1)
+    norm_local = _padded(m.d_model, p.dp) // p.dp if p.dp_mode == "fsdp" else m.d_model
+    norms = Traffic("all_reduce", "sp norm gradients (partial sums over S)", norm_params * s.stage_ranks,
+                    norm_params * s.stage_ranks * norm_local * 4)
+    return [s.per_chunk("all_gather", "sp activations", gathers, row),
+            s.per_chunk("reduce_scatter", "sp activations", scatters, row), loss, norms]
+
+
+def _expert_parallel(s: _Step) -> list[Traffic]:
+    m, p = s.model, s.par
+    if p.ep == 1:
+        return []
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    per_rank_calls = n_moe * s.chunks
+    counts = Traffic("all_to_all", "ep expert counts", per_rank_calls * s.stage_ranks,
+                     per_rank_calls * s.stage_ranks * m.moe.num_experts * 8)
+    rows = s.per_chunk("all_to_all", "ep routed tokens (dispatch + combine, fwd + bwd)", 4 * n_moe,
+                       m.moe.top_k * m.d_model * s.act_bytes)
+    return [counts, rows]
+
+
+def _pipeline(s: _Step) -> list[Traffic]:
+    p = s.par
+    boundaries = p.pp * p.vpp - 1
+    if boundaries == 0:
+        return []
+    return [s.per_chunk("p2p", "pp activations and their gradients", 2 * boundaries, s.model.d_model * s.act_bytes)]
+
+
+def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]:
+    m, p = s.model, s.par
+    if p.dp == 1:
+        return []
+    out: list[Traffic] = []
+    ranks = s.stage_ranks
+    for u in _units(m, p):
+        if u.group == 1:
+            continue
+        if p.dp_mode == "fsdp":
+            gathers = (1 if u.root else 2) * s.chunks * ranks
+            out.append(Traffic("all_gather", "fsdp parameters (fwd + bwd)", gathers,
+                               gathers * u.elements * param_bytes))
+            out.append(Traffic("reduce_scatter", "fsdp gradients", ranks, ranks * u.elements * grad_bytes))
+        else:
+            out.append(Traffic("all_reduce", "ddp gradients", ranks, ranks * u.elements * grad_bytes))
+    return out
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One data-parallel wrapping unit: its parameter elements on one rank (padded), the size of
+    the group it is sharded or replicated over, and whether it is the root (kept gathered from
+    forward to backward)."""
+
+    elements: int
+    group: int
+    root: bool = False
+
+
+def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
+    """Every data-parallel unit of the model (each lives on one pipeline stage)."""
+    tp, ep = p.tp, p.ep
+    D, Dh, F, Fe = m.d_model, m.dim_head, m.d_ff, m.d_expert_ff
+    mats = 3 if m.activation == "swiglu" else 2
+    norm = [(D,)] * (2 if m.norm == "layernorm" else 1)
+
+    def size(shapes: list[tuple[int, ...]], group: int) -> int:
+        return sum(_padded(sh[0], group) * _prod(sh[1:]) for sh in shapes)
+
+    def ffn(hidden: int, split: int) -> list[tuple[int, ...]]:
+        shapes = [(hidden // split, D)] * (mats - 1) + [(D, hidden // split)]
+        if m.bias:
+            shapes += [(hidden // split,)] * (mats - 1) + [(D,)]
+        return shapes
+
+    units = []
+    for i in range(m.n_layers):
+        block = norm * 2 + [(m.n_heads * Dh // tp, D), (m.kv_heads * Dh // tp, D), (m.kv_heads * Dh // tp, D),
+                            (D, m.n_heads * Dh // tp)]
+        if m.bias:
+            block += [(m.n_heads * Dh // tp,), (m.kv_heads * Dh // tp,), (m.kv_heads * Dh // tp,), (D,)]
+        if m.is_moe_layer(i):
+            block.append((m.moe.num_experts, D))
+            if m.moe.shared_expert_d_ff:
+                block += ffn(m.moe.shared_expert_d_ff, 1)  # replicated over tp
+            experts = [(m.moe.num_experts // ep, D, Fe)] * (mats - 1) + [(m.moe.num_experts // ep, Fe, D)]
+            if ep > 1:
+                units.append(_Unit(size(experts, p.dp // ep), p.dp // ep))
+            else:
+                block += experts
+        else:
+            block += ffn(F, tp)
+        units.append(_Unit(size(block, p.dp), p.dp))
+    units.append(_Unit(size([(m.vocab_size // tp, D)], p.dp), p.dp))
+    if m.position == "learned":
+        units.append(_Unit(size([(m.max_seq_len, D)], p.dp), p.dp, root=True))
+    tail = (norm if m.norm_position == "pre" else []) + ([] if m.tie_embeddings else [(m.vocab_size // tp, D)])
+    if tail:
+        units.append(_Unit(size(tail, p.dp), p.dp))
+    return units
+
+
+def _control(p: ParallelConfig) -> list[Traffic]:
+    w = p.world_size
+    if w == 1:
+        return []
+    return [Traffic("all_reduce", "control (grad norm, losses, stop flag)", 3 * w, (8 + 8 + 4) * w)]
+
+
+def _padded(n: int, group: int) -> int:
+    return -(-n // group) * group
+
+
+def _prod(dims: tuple[int, ...]) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out

@@ -1,0 +1,87 @@
+"""The communication predictor against sums worked out by hand for the bench's tiny model.
+
+Model: D 64, 2 layers (both MoE), 4 query / 2 KV heads of 16, 8 experts top-2 of hidden 64, V 320,
+SwiGLU, RMSNorm, no biases. One step: 8 sequences × 32 tokens = 256 tokens, fp32. Every number is
+summed over both ranks; see moetron/parallel/comm_volume.py for the byte convention.
+"""
+
+from dataclasses import replace
+
+import pytest
+
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.parallel.comm_volume import by_kind, predict_step
+from moetron.parallel.config import ParallelConfig
+
+MODEL = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+                    moe=MoEConfig(num_experts=8, top_k=2, d_expert=64))
+CONTROL_CALLS, CONTROL_BYTES = 2 * 3, 2 * (8 + 8 + 4)  # grad norm (f64), losses (2 × f32), stop flag
+
+
+def predict(**layout):
+    return by_kind(predict_step(MODEL, ParallelConfig(**layout), batch=8, seq_len=32))
+
+
+def test_tensor_parallel_all_reduces_activations_and_loss():
+    got = predict(tp=2)
+    # Both tp ranks see all 256 tokens: an activation all-reduce is 256 × 64 × 4 B on each.
+    # Sites: attention out (fwd) and in (bwd) of 2 layers, embedding (fwd), head input (bwd).
+    activations = 6 * 2 * (256 * 64 * 4)
+    # loss_parallel: max, sum of exponentials and target logit, one fp32 per token each.
+    loss = 3 * 2 * (256 * 4)
+    assert got["all_reduce"] == {"calls": 12 + 6 + CONTROL_CALLS, "bytes": activations + loss + CONTROL_BYTES}
+    assert got["all_to_all"]["calls"] == got["all_gather"]["calls"] == got["p2p"]["calls"] == 0
+
+
+def test_sequence_parallel_gathers_and_scatters_instead():
+    got = predict(tp=2, sequence_parallel=True)
+    full = 256 * 64 * 4  # a gathered (or to-be-scattered) residual of all 256 tokens
+    # per layer: attention in (fwd) and out (bwd) gathers, the MoE input (fwd) and output grad
+    # (bwd) gathers; plus the head input (fwd) and the embedding's output grad (bwd)
+    assert got["all_gather"] == {"calls": 2 * (2 * 2 + 2 * 2 + 2), "bytes": 2 * 10 * full}
+    # per layer: attention out (fwd) and in (bwd); the embedding (fwd) and head input (bwd)
+    assert got["reduce_scatter"] == {"calls": 2 * 6, "bytes": 2 * 6 * full}
+    # 5 norm gains (2 per layer + final) reduced on both ranks, plus the loss and control
+    assert got["all_reduce"]["calls"] == 2 * 5 + 6 + CONTROL_CALLS
+    assert got["all_reduce"]["bytes"] == 2 * 5 * 64 * 4 + 3 * 2 * 256 * 4 + CONTROL_BYTES
+
+
+def test_expert_parallel_with_fsdp():
+    got = predict(dp=2, ep=2)
+    # Each rank routes its 128 tokens to 2 experts: 256 rows of 64 fp32 per exchange, four
+    # exchanges per MoE layer (dispatch and combine, forward and backward), plus 8 int64 counts.
+    assert got["all_to_all"] == {"calls": 2 * 2 * 5, "bytes": 2 * 2 * (4 * 256 * 64 * 4 + 8 * 8)}
+    # FSDP over both ranks; the experts sit on 1-rank groups (dp / ep = 1) and move nothing.
+    block = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 8 * 64  # norms, q, k, v, o, router
+    embed, tail = 320 * 64, 64 + 320 * 64
+    elements = 2 * block + embed + tail
+    assert got["all_gather"] == {"calls": 2 * 4 * 2, "bytes": 2 * 2 * elements * 4}
+    assert got["reduce_scatter"] == {"calls": 2 * 4, "bytes": 2 * elements * 4}
+    assert got["all_reduce"] == {"calls": CONTROL_CALLS, "bytes": CONTROL_BYTES}
+
+
+def test_ddp_all_reduces_every_gradient_once():
+    got = predict(dp=2, dp_mode="ddp")
+    total = 2 * (2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 8 * 64 + 3 * 8 * 64 * 64) + 320 * 64 + 64 + 320 * 64
+    assert got["all_reduce"] == {"calls": 2 * 4 + CONTROL_CALLS, "bytes": 2 * total * 4 + CONTROL_BYTES}
+    assert got["all_gather"]["calls"] == 0
+
+
+def test_pipeline_sends_activations_and_gradients_per_microbatch():
+    got = predict(pp=2, microbatches=2)
+    # One boundary; 2 micro-batches of 4 × 32 tokens; activation forward, gradient backward.
+    assert got["p2p"] == {"calls": 2 * 2, "bytes": 2 * 2 * (4 * 32 * 64 * 4)}
+    assert got["all_reduce"] == {"calls": CONTROL_CALLS, "bytes": CONTROL_BYTES}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_grad_accumulation_repeats_gathers_not_scatters(accum):
+    one = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=1))
+    got = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=accum))
+    assert got["all_gather"]["bytes"] == accum * one["all_gather"]["bytes"]
+    assert got["reduce_scatter"] == one["reduce_scatter"]
+
+
+def test_one_process_communicates_nothing():
+    assert all(v == {"calls": 0, "bytes": 0} for v in predict().values())
+    assert predict_step(replace(MODEL, moe=MoEConfig()), ParallelConfig(), batch=8, seq_len=32) == []
