@@ -46,17 +46,12 @@ done
 # Unix socket paths are limited to 107 bytes; the MariaDB socket is the longest under run/.
 ((${#db_socket} <= 107)) || die "MOETRON_SLURM_HOME=$root is too long for a unix socket path; use a folder under 80 characters"
 
-# True when the pid file names a live (not zombie) process whose executable is $2. Zombies linger
-# for a few seconds after exit, so existence of /proc/PID alone is not enough.
+# shellcheck source=live_pid.sh
+source "$(dirname "${BASH_SOURCE[0]}")/live_pid.sh"
+
+# True when the pid file names a live daemon named $2.
 alive() {
-    local pidfile="$1" name="$2" pid state comm
-    [[ -s "$pidfile" ]] || return 1
-    pid="$(<"$pidfile")"
-    [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
-    [[ "$comm" == "$name" ]] || return 1
-    state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" || return 1
-    [[ "$state" != Z && "$state" != X ]]
+    [[ -n "$(live_pid "$1" "$2")" ]]
 }
 
 # Wait up to $2 seconds for the command "${@:3}" to succeed; on timeout show the log $1 and fail.

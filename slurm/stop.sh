@@ -13,18 +13,8 @@ run="$root/run"
 export SLURM_CONF="$root/etc/slurm.conf"
 started_at=$(date +%s.%N)
 
-# The pid in $1 if it is a live (not zombie) process named $2, else nothing. Zombies linger a few
-# seconds after exit here, so /proc/PID existing does not mean the daemon still runs.
-live_pid() {
-    local pidfile="$1" name="$2" pid state comm
-    [[ -s "$pidfile" ]] || return 0
-    pid="$(<"$pidfile")"
-    [[ "$pid" =~ ^[0-9]+$ ]] || return 0
-    comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 0
-    [[ "$comm" == "$name" ]] || return 0
-    state="$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" || return 0
-    [[ "$state" == Z || "$state" == X ]] || echo "$pid"
-}
+# shellcheck source=live_pid.sh
+source "$(dirname "${BASH_SOURCE[0]}")/live_pid.sh"
 
 # TERM the daemon, wait for it to go, KILL it after $3 seconds.
 stop_daemon() {
