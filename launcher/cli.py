@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moetron.launcher.commands import COMMANDS, UserError
+from moetron.launcher.commands import COMMANDS, user_errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,12 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except UserError as e:
-        print(f"moetron {args.command}: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"moetron {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        if not isinstance(e, user_errors()):
+            raise
+        print(f"moetron {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

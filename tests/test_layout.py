@@ -59,3 +59,14 @@ def test_no_work_at_import_time(tmp_path):
             "assert 'triton' not in sys.modules, 'triton imported at import time'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_quick_commands_do_not_load_torch(tmp_path):
+    """`moetron --help` and the Slurm queries answer at once: nothing on their path imports torch."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom moetron.launcher.cli import build_parser\nbuild_parser()\n"
+            "assert 'torch' not in sys.modules, 'torch imported by the CLI parser'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from moetron.launcher.commands import convert, data, export, flops, generate, jobs, submit, train
-from moetron.launcher.config import ConfigError
-from moetron.launcher.run_dir import RunError
-from moetron.launcher.submit import SlurmError
-from moetron.parallel.checkpoint_io import CheckpointError
 
 COMMANDS = [train, data, generate, convert, flops, submit, jobs, export]
 
-# Problems with what the user asked for: reported as one line, exit status 2.
-UserError = (ConfigError, RunError, CheckpointError, SlurmError, FileNotFoundError)
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Problems with what the user asked for: reported as one line, exit status 2. Imported only
+    when something failed, so quick commands (status, logs, --help) never load torch."""
+    from moetron.launcher.config import ConfigError
+    from moetron.launcher.run_dir import RunError
+    from moetron.launcher.submit import SlurmError
+    from moetron.parallel.checkpoint_io import CheckpointError
+
+    return (ConfigError, RunError, CheckpointError, SlurmError, FileNotFoundError)
