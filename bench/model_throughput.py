@@ -97,11 +97,18 @@ def parse_args(argv=None):
     p.add_argument("--aux-coef", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=15, help="timed steps per model and precision")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--precision", nargs="+", choices=("fp32", "bf16"), default=None,
+                   help="default: fp32, and bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-transformers", action="store_true", help="time the moetron models only")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 2 × 64, 3 steps, 1 warmup")
     args = p.parse_args(argv)
+    if args.precision is None:
+        args.precision = ["fp32", "bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ["fp32"]
+        if "bf16" not in args.precision:
+            # Without AVX512-BF16/AMX, bf16 matmuls are emulated (~1 GFLOP/s): hours, and no peer compares.
+            print("note: this CPU has no native bf16 matmul; timing fp32 only (ask with --precision bf16)",
+                  file=sys.stderr)
     if args.quick:
         args.batch, args.seq_len, args.steps, args.warmup = 2, 64, 3, 1
     return args

@@ -49,19 +49,26 @@ def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
     return True
 
 
-# Row block the CPU path rounds group sizes up to (see _cpu_windows).
+# Row block the CPU path rounds group sizes up to for bf16/fp16 (see _cpu_windows).
 CPU_ROW_BLOCK = 128
 
 
-def _cpu_windows(ends: list[int], num_rows: int):
+def _cpu_row_block(dtype: torch.dtype) -> int:
+    """bf16/fp16 matmuls go to oneDNN, which builds and caches a kernel per new shape: ragged
+    group sizes make new shapes every step, so time goes to setup and memory grows by megabytes
+    per step; rounded windows keep the set of shapes small. fp32 goes to the BLAS, which has no
+    per-shape state: exact groups, no borrowed rows."""
+    return CPU_ROW_BLOCK if dtype in (torch.bfloat16, torch.float16) else 1
+
+
+def _cpu_windows(ends: list[int], num_rows: int, block: int):
     """For each non-empty group [s, e): a window [a, a + m) of rows that contains it, m being the
-    group size rounded up to CPU_ROW_BLOCK (shifted back when it would run past the last row). oneDNN builds and caches a kernel per new matmul shape; ragged group sizes make a
-    new shape every step, so time goes to setup and memory grows by megabytes per step. Rounded
-    windows keep the set of shapes small; the rows they borrow from neighbours are discarded."""
+    group size rounded up to `block` (shifted back when it would run past the last row); the
+    rows it borrows from neighbours are discarded by the caller."""
     s = 0
     for g, e in enumerate(ends):
         if e > s:
-            m = min(-(-(e - s) // CPU_ROW_BLOCK) * CPU_ROW_BLOCK, num_rows)
+            m = min(-(-(e - s) // block) * block, num_rows)
             a = min(s, num_rows - m)
             yield g, s, e, a, m
         s = e
@@ -72,8 +79,11 @@ def _grouped_mm_cpu(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Te
     ends = offsets_E.tolist()
     y_TN = x_TK.new_empty(x_TK.shape[0], w_EKN.shape[2])
     y_TN[ends[-1] if ends else 0 :] = 0  # rows past the last group belong to none
-    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0]):
-        y_TN[s:e] = (x_TK[a : a + m] @ w_EKN[g])[s - a : e - a]
+    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0], _cpu_row_block(x_TK.dtype)):
+        if (a, m) == (s, e - s):
+            torch.mm(x_TK[s:e], w_EKN[g], out=y_TN[s:e])  # straight into place, no copy
+        else:
+            y_TN[s:e] = (x_TK[a : a + m] @ w_EKN[g])[s - a : e - a]
     return y_TN
 
 
@@ -81,7 +91,10 @@ def _grouped_mm_wgrad_cpu(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: to
     # NOTE: host-device sync (a no-op on CPU) to read the group boundaries.
     ends = offsets_E.tolist()
     dw_EKN = x_TK.new_zeros(len(ends), x_TK.shape[1], dy_TN.shape[1])
-    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0]):
+    for g, s, e, a, m in _cpu_windows(ends, x_TK.shape[0], _cpu_row_block(x_TK.dtype)):
+        if (a, m) == (s, e - s):
+            torch.mm(x_TK[s:e].T, dy_TN[s:e], out=dw_EKN[g])
+            continue
         # Rows borrowed from neighbouring groups must not contribute: zero their gradient.
         dy_MN = dy_TN[a : a + m].clone()
         dy_MN[: s - a] = 0
