@@ -69,29 +69,57 @@ def attention_configs(head_dim: int, dtype: torch.dtype, interpret: bool) -> Att
 
 
 @triton.jit
+def _load_rows(base, stride_s, offs_s, n_rows, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
+    """Rows `offs_s` of a (seq, HEAD_DIM) matrix → (len(offs_s), HEAD_DIM); rows ≥ n_rows read as
+    zeros when MASK. UPCAST widens to fp32 (the interpreter's numpy has no bf16 dot)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    ptrs = base + offs_s[:, None] * stride_s + offs_d[None, :]
+    if MASK:
+        tile = tl.load(ptrs, mask=offs_s[:, None] < n_rows, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    if UPCAST:
+        tile = tile.to(tl.float32)
+    return tile
+
+
+@triton.jit
+def _load_vec(base, offs, n, MASK: tl.constexpr):
+    """Entries `offs` of a length-n vector; past-the-end entries read as zeros when MASK."""
+    if MASK:
+        return tl.load(base + offs, mask=offs < n, other=0.0)
+    return tl.load(base + offs)
+
+
+@triton.jit
+def _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI: tl.constexpr):
+    """Scores in log2 units of a query tile against a key tile → (BLOCK_M, BLOCK_N), ALiBi added."""
+    s = tl.dot(q, tl.trans(k)) * qk_scale
+    if ALIBI:
+        s += slope2 * (offs_n[None, :] - pos_q[:, None]).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _visible(offs_n, pos_q, S_K, CAUSAL: tl.constexpr):
+    """Which (query, key) pairs of a tile exist and may be attended → (BLOCK_M, BLOCK_N) bool."""
+    visible = offs_n[None, :] < S_K
+    if CAUSAL:
+        visible = visible & (offs_n[None, :] <= pos_q[:, None])
+    return visible
+
+
+@triton.jit
 def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale, S_K,
         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
         ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
+        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         if MASK:
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if ALIBI:
-            s += slope2 * (offs_n[None, :] - pos_q[:, None]).to(tl.float32)
-        if MASK:
-            visible = offs_n[None, :] < S_K
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= pos_q[:, None])
-            s = tl.where(visible, s, float("-inf"))
+            s = tl.where(_visible(offs_n, pos_q, S_K, CAUSAL), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -172,22 +200,12 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
         offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
         ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        if MASK:
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :], mask=offs_m[:, None] < S_Q, other=0.0)
-            lse2 = tl.load(lse_base + offs_m, mask=offs_m < S_Q, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_base + offs_m, mask=offs_m < S_Q, other=0.0)
-        else:
-            q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :])
-            do = tl.load(do_base + offs_m[:, None] * stride_dos + offs_d[None, :])
-            lse2 = tl.load(lse_base + offs_m) * 1.4426950408889634
-            delta = tl.load(delta_base + offs_m)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q = _load_rows(q_base, stride_qs, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
+        do = _load_rows(do_base, stride_dos, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
+        lse2 = _load_vec(lse_base, offs_m, S_Q, MASK) * 1.4426950408889634
+        delta = _load_vec(delta_base, offs_m, S_Q, MASK)
         s_t = tl.dot(k, tl.trans(q)) * qk_scale  # keys x queries
         pos_q = offs_m + Q_OFFSET
         if ALIBI:
@@ -269,27 +287,14 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale,
         S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
         ALIBI: tl.constexpr, UPCAST: tl.constexpr):
-    offs_d = tl.arange(0, HEAD_DIM)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        if MASK:
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=offs_n[:, None] < S_K, other=0.0)
-        else:
-            k = tl.load(k_base + offs_n[:, None] * stride_ks + offs_d[None, :])
-            v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :])
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        if ALIBI:
-            s += slope2 * (offs_n[None, :] - pos_q[:, None]).to(tl.float32)
+        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            visible = offs_n[None, :] < S_K
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= pos_q[:, None])
-            p = tl.where(visible, p, 0.0)
+            p = tl.where(_visible(offs_n, pos_q, S_K, CAUSAL), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
