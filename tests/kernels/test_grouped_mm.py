@@ -148,10 +148,11 @@ def test_import_and_torch_path_without_triton():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_path_with_groups_larger_than_its_row_block(dtype, close):
-    """The CPU path computes row windows rounded to CPU_ROW_BLOCK and discards borrowed rows;
-    groups of 0, 1, block±1 and several blocks, plus unowned tail rows, must all come out exact."""
+    """The CPU path multiplies fp32 groups exactly, in place, and bf16/fp16 groups in row windows
+    rounded to CPU_ROW_BLOCK whose borrowed rows it discards; groups of 0, 1, block±1 and several
+    blocks, plus unowned tail rows, must all come out exact either way."""
     from moetron.kernels.grouped_mm import CPU_ROW_BLOCK as B
 
     sizes = [0, B + 2, B - 1, 1, 3 * B + 5, 0, 7]
