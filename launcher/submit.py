@@ -2,9 +2,10 @@
 
 Why the rendered `slurm/moetron.sbatch` is submitted with `sbatch`, not through submitit:
 
-- submitit's signal handler lets only task 0 act on the time-limit/preemption signal; every other
-  task exits at once. A sharded checkpoint is a collective, so every rank must finish its step
-  and write its shards; the ranks must stop together, which they cannot if all but one vanish.
+- submitit's signal handler (1.5) lets only task 0 act on the time-limit/preemption signal: inside
+  the handler it pickles its own state, requeues and exits, while every other task ignores the
+  signal and runs on into collectives that rank 0 has left. A sharded checkpoint is a collective:
+  every rank must finish its step, write its shards and stop together.
 - submitit pickles a function into its own folder and requeues that pickle. The job here is
   exactly the script written into the run folder, so what Slurm ran, what the user reads and
   what they can `sbatch` again by hand are the same file; the run folder alone holds the run.
