@@ -44,8 +44,13 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
 
     for block in model.layers.values():
         if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
-            wrap(block.ffn.experts, edp_mesh)
-            block.ffn.experts.set_gradient_divide_factor(float(cfg.dp))
+            experts = wrap(block.ffn.experts, edp_mesh)
+            experts.set_gradient_divide_factor(float(cfg.dp))
+            if cfg.dp_mode == "fsdp" and edp_mesh.size() > 1 and dist.get_backend(edp_mesh.get_group()) == "gloo":
+                # FSDP reduce-scatters with PREMUL_SUM(1/dp), which Gloo lacks: divide locally and
+                # reduce with SUM. Only here: where no reduce-scatter runs (replicate, or one
+                # rank per expert) FSDP already divides locally, and forcing SUM would divide twice.
+                experts.set_force_sum_reduction_for_comms(True)
         wrap(block, dp_mesh)
     if model.embed is not None:
         wrap(model.embed, dp_mesh)

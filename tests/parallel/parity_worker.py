@@ -55,6 +55,9 @@ CASES = {
     "pp2_1f1b": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 2),
     "pp2_interleaved": (dict(pp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), {}, 1),
     "pp2_zero_bubble": (dict(pp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
+    # dp = 2·ep: each expert is held by two ranks, whose gradients are reduced over "edp" only.
+    "dp4_ep2": (dict(dp=4, ep=2), {}, 2),
+    "dp4_ep2_ddp": (dict(dp=4, ep=2, dp_mode="ddp"), {}, 1),
     "tp2_ep2": (dict(dp=2, tp=2, ep=2), {}, 1),
     "tp2_sp_ep2": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), {}, 1),
     "pp2_ep2": (dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
@@ -162,7 +165,8 @@ def main(names: list[str]) -> int:
                     import traceback
                     traceback.print_exc()
                 result = {"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
-                print(json.dumps(result), flush=True)
+                # Every rank reports (any of them may be the one that failed), rank 0 on stdout.
+                print(json.dumps(result), flush=True, file=sys.stdout if dist.get_rank() == 0 else sys.stderr)
                 return 1
             result["seconds"] = round(time.perf_counter() - t0, 2)
             failures += not result["ok"]
