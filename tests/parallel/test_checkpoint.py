@@ -4,12 +4,14 @@ model mismatches, export, and a real full disk."""
 import json
 import os
 import pickle
+import random
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -66,13 +68,17 @@ def test_resume_restores_model_optimizer_and_rng(tmp_path):
     model, opt = make()
     train_steps(model, opt, 3)
     save_checkpoint(tmp_path, 3, model, opt, {"step": 3})
-    expected_draw = torch.rand(3)
+    expected_draws = (torch.rand(3), random.random(), np.random.rand(3))
     train_steps(model, opt, 2, seed=7)
+    random.random(), np.random.rand(5)  # moved on, so only a restore brings them back
     reference = {k: v.clone() for k, v in model.state_dict().items()}
 
     model2, opt2 = make(seed=99)
     assert load_checkpoint(tmp_path / "step-00000003", model2, opt2) == {"step": 3}
-    assert torch.equal(torch.rand(3), expected_draw)
+    torch_draw, python_draw, numpy_draw = expected_draws
+    assert torch.equal(torch.rand(3), torch_draw)
+    assert random.random() == python_draw
+    assert np.array_equal(np.random.rand(3), numpy_draw)
     train_steps(model2, opt2, 2, seed=7)
     for k, v in model2.state_dict().items():
         assert torch.equal(v, reference[k]), k
