@@ -77,13 +77,12 @@ def checkpoint_and_exit(signum, frame):
 signal.signal(signal.SIGUSR1, checkpoint_and_exit)
 if attempt > 0:
     print(f"rank {rank} resumed in attempt {attempt}", flush=True)
-    sys.exit(0)
-print(f"rank {rank} training", flush=True)
+print(f"rank {rank} training in attempt {attempt}", flush=True)
 time.sleep(120)
 """
 
 
-def test_batch_script_forwards_the_signal_and_requeues(slurm_env, tmp_path):
+def test_batch_script_forwards_the_signal_and_requeues_up_to_its_limit(slurm_env, tmp_path):
     # The signal is sent by hand (to the batch shell only, as --signal=B: would) rather than by
     # waiting for the time limit, which Slurm checks only every ~30 s.
     (tmp_path / "task.py").write_text(textwrap.dedent(TASK))
@@ -94,18 +93,22 @@ def test_batch_script_forwards_the_signal_and_requeues(slurm_env, tmp_path):
     (tmp_path / "job.sbatch").write_text(script)
     job = run(["sbatch", "--parsable", str(tmp_path / "job.sbatch")], slurm_env).stdout.strip().split(";")[0]
     log = tmp_path / f"slurm-{job}.out"
-    deadline = time.monotonic() + 90
-    while not (log.exists() and log.read_text().count("training") == 2):
-        assert time.monotonic() < deadline, f"job {job} did not start both ranks: {log.read_text() if log.exists() else 'no log'}"
-        time.sleep(0.3)
-    run(["scancel", "--batch", "--signal=USR1", job], slurm_env)
+    # Warned in each attempt: the first requeues itself, the second is past the limit of 1.
+    for attempt in (0, 1):
+        deadline = time.monotonic() + 90
+        while not (log.exists() and log.read_text().count(f"training in attempt {attempt}") == 2):
+            assert time.monotonic() < deadline, f"job {job} did not start both ranks of attempt {attempt}: {log.read_text() if log.exists() else 'no log'}"
+            time.sleep(0.3)
+        run(["scancel", "--batch", "--signal=USR1", job], slurm_env)
     wait_until_gone(job, slurm_env, timeout=90)
 
     text = log.read_text()
     for rank in (0, 1):
         assert f"rank {rank} checkpointed in attempt 0" in text
         assert f"rank {rank} resumed in attempt 1" in text
-    assert "requeueing" in text
+        assert f"rank {rank} checkpointed in attempt 1" in text
+    assert text.count("requeueing") == 1, text
+    assert "requeued 1 times already (the limit)" in text, text
     # Accounting (slurmdbd) saw both attempts; it may lag the controller by a moment.
     for _ in range(20):
         states = run(["sacct", "-j", job, "--duplicates", "-X", "-n", "-P", "-o", "State"], slurm_env).stdout.split()
