@@ -353,6 +353,3 @@ def validate_launch(cfg: Config, world_size: int) -> None:
     if p.world_size != world_size:
         raise ConfigError(f"parallel.pp × dp × tp = {p.pp} × {p.dp} × {p.tp} = {p.world_size}: must equal the "
                           f"number of launched ranks ({world_size})")
-    if p.pp > 1 and p.vpp > 1:
-        raise ConfigError(f"parallel.vpp = {p.vpp}: the trainer checkpoints one pipeline stage per rank; "
-                          "use vpp=1 (interleaved schedules run in parallelize() and its tests)")

@@ -206,8 +206,9 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                           f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
     torch.manual_seed(t.seed)
     pm = build_parallel_model(cfg, device)
-    model = pm.module
-    model.set_kernel_backend(cfg.kernel.backend)
+    model = pm.module  # all of this rank's parameters, whatever the pipeline schedule
+    for part in pm.modules:
+        part.set_kernel_backend(cfg.kernel.backend)
     optimizer = build_optimizer(model, t)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)

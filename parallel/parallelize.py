@@ -33,7 +33,8 @@ from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_,
 from moetron.parallel.expert_parallel import apply_expert_parallel
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.pipeline import Pipeline, StepRecord, attach_stage_output, build_pipeline, split_stage, stages_of_rank
+from moetron.parallel.pipeline import (Pipeline, StepRecord, attach_stage_output, build_pipeline, merge_stages,
+                                      split_stage, stages_of_rank)
 from moetron.parallel.tensor_parallel import apply_tensor_parallel
 
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -76,12 +77,12 @@ class ParallelModel:
     pipeline: Pipeline | None
     cross_entropy: CrossEntropy
 
-    @property
-    def module(self) -> Decoder:
-        """The single part (optimizer, checkpoint); interleaved pipelines hold several."""
-        if len(self.modules) != 1:
-            raise ValueError(f"this rank holds {len(self.modules)} pipeline stages; use .modules")
-        return self.modules[0]
+    @functools.cached_property
+    def module(self) -> nn.Module:
+        """Every parameter this rank holds, under its name in the whole model (optimizer,
+        checkpoint, FLOP counter): the one part, or a view merging the stages that an interleaved
+        pipeline places here (run those through `modules`)."""
+        return self.modules[0] if len(self.modules) == 1 else merge_stages(self.modules)
 
     def named_parameters(self):
         seen: set[int] = set()

@@ -88,6 +88,21 @@ def split_stage(meta_model: Decoder, stage: int, num_stages: int) -> Decoder:
     return part
 
 
+def merge_stages(stages: list[Decoder]) -> nn.Module:
+    """One module over the parameters of several stages of one model (the stages an interleaved
+    pipeline places on one rank), each under its name in the whole model: what the optimizer and
+    the checkpoint see. It shares the stages' submodules and is never run."""
+    merged = nn.Module()
+    merged.layers = nn.ModuleDict()
+    for stage in stages:
+        for name, child in stage.named_children():
+            if name == "layers":
+                merged.layers.update(child)
+            elif child is not None and any(True for _ in child.parameters()):
+                setattr(merged, name, child)
+    return merged
+
+
 def attach_stage_output(module: Decoder, record: StepRecord) -> None:
     """Make a stage return the tensor the schedule sends on (hidden states or logits) with the
     stage's aux loss attached for backward. Registered before data parallelism wraps the stage,

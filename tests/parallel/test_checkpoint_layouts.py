@@ -7,7 +7,11 @@ background, equals 6 straight steps saved synchronously, bit for bit, and every 
 published is complete and verified. Three launches (~30 s).
 
 Pipeline stages reshard too: a PP2×TP2 step-10 checkpoint resumes on one process and on DP2 with
-the uninterrupted run's step-11 loss within 1e-6 relative. Two launches (~25 s)."""
+the uninterrupted run's step-11 loss within 1e-6 relative. Two launches (~25 s).
+
+An interleaved pipeline (PP2 × vpp 2: two stages per rank) trains like one process (aux loss off,
+as the pipeline takes it per micro-batch: losses within 1e-5 relative for 11 steps) and its step-10
+checkpoint resumes on one process. One launch (~15 s)."""
 
 import json
 import os
@@ -130,3 +134,20 @@ def test_pp2_tp2_checkpoint_resumes_on_one_process_and_dp2(pp_runs):
     torchrun(2, "tiny.yaml", f"train.run_dir={pp_runs}", "train.name=dp2", "train.steps=11", "parallel.dp=2",
              "--resume", str(ckpt))
     _next_loss_matches(pp_runs / "dp2", pp_runs / "straight")
+
+
+def test_interleaved_pipeline_trains_like_one_process_and_its_checkpoint_resumes_there(tmp_path):
+    # Without the aux loss, which the pipeline takes per micro-batch and one process per batch.
+    four_layers = [*SMALL, "model.n_layers=4", "model.moe.aux_loss_coef=0", f"train.run_dir={tmp_path}"]
+    torchrun(2, "tiny.yaml", *four_layers[len(SMALL):], "train.name=interleaved", "train.steps=11",
+             "train.checkpoint.every=10", "parallel.pp=2", "parallel.vpp=2", "parallel.microbatches=2",
+             "parallel.schedule=interleaved_1f1b")
+    train(load_config(CONFIGS / "tiny.yaml", [*four_layers, "train.name=one", "train.steps=11"]), console=lambda *_: None)
+    got, want = records(tmp_path / "interleaved"), records(tmp_path / "one")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 12))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (g, w)
+    ckpt = tmp_path / "interleaved" / "checkpoints" / "step-00000010"
+    cfg = load_config(CONFIGS / "tiny.yaml", [*four_layers, "train.name=resumed", "train.steps=11"])
+    train(cfg, resume=str(ckpt), console=lambda *_: None)
+    _next_loss_matches(tmp_path / "resumed", tmp_path / "interleaved")
