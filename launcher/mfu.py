@@ -156,7 +156,7 @@ def config_accounting(cfg, *, seq_len: int | None = None, batch: int | None = No
 class MfuMeter:
     """Turns the trainer's log windows into throughput and MFU figures.
 
-        meter = MfuMeter(cfg.model, seq_len, peak, world_size)
+        meter = MfuMeter(cfg.model, seq_len, peak, device=device, world_size=world_size)
         with meter.step(model, tokens):      # counts FLOPs on the first step of the run
             result = train_step(...)
         record.update(meter.window(window_tokens, elapsed))
@@ -166,29 +166,37 @@ class MfuMeter:
     """
 
     def __init__(self, model_cfg: ModelConfig, seq_len: int, peak: Peak, *, device: torch.device | None = None,
-                 world_size: int = 1, warn: Callable[[str], None] = print):
+                 world_size: int = 1, warn: Callable[[str], None] = print, count_step: int = 1):
+        """`count_step`: which step() call to count; a pipelined model's first step also runs each
+        stage on placeholder inputs to infer shapes, work that no later step repeats."""
         self.analytic_per_token = float(flops_per_token(model_cfg, seq_len))
         self.peak, self.device, self.world_size, self.warn = peak, device, world_size, warn
         self.counted_per_token: float | None = None
         self._skip_tokens, self._skip_seconds = 0, 0.0
-        self._counted_once = False
+        self._calls, self._count_step = 0, count_step
 
     @contextlib.contextmanager
     def step(self, model: torch.nn.Module, tokens: int):
-        """Wrap one training step of `tokens` tokens (all ranks); the first one is counted."""
-        if self._counted_once:
+        """Wrap one training step of `tokens` tokens (all ranks); step `count_step` is counted."""
+        self._calls += 1
+        if self._calls != self._count_step:
             yield
             return
         from moetron.launcher.flop_counter import ComponentFlopCounter
 
-        self._counted_once = True
         t0 = time.perf_counter()
         with ComponentFlopCounter(model) as counter:
             yield
         self._skip_seconds += time.perf_counter() - t0
         self._skip_tokens += tokens
-        # One rank counts its own share; each rank runs tokens / world_size of them.
-        self.counted_per_token = counter.total * self.world_size / tokens
+        # Each rank counts its own share: its data-parallel slice, its tensor-parallel shards, its
+        # pipeline stages (not all equal). Their sum is the step's FLOPs.
+        counted = float(counter.total)
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            total = torch.tensor([counted], dtype=torch.float64, device=self.device)
+            torch.distributed.all_reduce(total)
+            counted = float(total.item())
+        self.counted_per_token = counted / tokens
         gap = self.counted_per_token / self.analytic_per_token - 1.0
         if abs(gap) > MFU_TOLERANCE:
             self.warn(f"warning: FLOPs counted on a real step ({self.counted_per_token:.4g}/token) differ from "

@@ -147,6 +147,11 @@ def test_interleaved_pipeline_trains_like_one_process_and_its_checkpoint_resumes
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 12))
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (g, w)
+    # The FLOPs counted on a real step, summed over the ranks' unequal stages, are one process's.
+    counted = {name: [r["mfu_measured"] / r["mfu"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
+                      .read_text().splitlines()) if "mfu_measured" in r] for name in ("interleaved", "one")}
+    assert counted["interleaved"] and counted["one"], counted
+    assert counted["interleaved"][0] == pytest.approx(counted["one"][0], rel=1e-3), counted
     ckpt = tmp_path / "interleaved" / "checkpoints" / "step-00000010"
     cfg = load_config(CONFIGS / "tiny.yaml", [*four_layers, "train.name=resumed", "train.steps=11"])
     train(cfg, resume=str(ckpt), console=lambda *_: None)
