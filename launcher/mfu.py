@@ -157,7 +157,7 @@ class MfuMeter:
     """Turns the trainer's log windows into throughput and MFU figures.
 
         meter = MfuMeter(cfg.model, seq_len, peak, device=device, world_size=world_size)
-        with meter.step(model, tokens):      # counts FLOPs on the first step of the run
+        with meter.step(model, tokens):      # counts the FLOPs of one step (count_step)
             result = train_step(...)
         record.update(meter.window(window_tokens, elapsed))
 
