@@ -82,12 +82,15 @@ class Decoder(nn.Module):
         self.register_buffer("alibi_slopes_H", alibi_slopes(cfg.n_heads), persistent=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
+        # Hidden-state input (a pipeline stage after the first) holds 1/sequence_shards of the
+        # positions: sequence parallelism splits S between blocks; attention sees all of them.
+        self.sequence_shards = 1
 
     def forward(self, x: torch.Tensor, *, caches: list[KVCache] | None = None, start_pos: int = 0) -> ModelOutput:
         """x: token ids (B, S) on the first stage, else hidden states (B, S, D). With `caches`,
         positions start at `start_pos` and each layer's keys and values are appended to its cache."""
         cfg = self.cfg
-        S = x.shape[1]
+        S = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards
         positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
         h_BSD = self._embed(x, positions_S) if self.embed is not None else x
         attn_kwargs: dict = {}

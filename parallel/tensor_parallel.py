@@ -18,7 +18,9 @@ Sequence parallel (cfg.sequence_parallel): between the blocks' matmuls the resid
 over S (Shard(1), B × S/tp × D per rank); norms and dropout run on the local slice, their weight
 gradients are summed over tp by DTensor. Entering attention or the dense FFN all-gathers S;
 leaving them reduce-scatters. The MoE layer gathers S too and slices its output back: routing,
-capacity and the load-balancing loss must see the same tokens as on one process.
+capacity and the load-balancing loss must see the same tokens as on one process. A pipeline stage
+after the first receives the split stream, so it is told (`sequence_shards`) to take its positions
+for S·tp tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfi
     if model.head is not None:
         plan["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, plan)
+    if sp:
+        model.sequence_shards = cfg.tp
     if model.head is not None and model.embed is not None and model.cfg.tie_embeddings:
         # Both are split by vocabulary rows (Shard(0)), so the tie survives as one DTensor.
         model.head.weight = model.embed.weight

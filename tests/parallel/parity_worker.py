@@ -62,6 +62,7 @@ CASES = {
     "tp2_sp_ep2": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), {}, 1),
     "pp2_ep2": (dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
     "pp2_tp2": (dict(pp=2, tp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
+    "pp2_tp2_sp": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"), {}, 1),
     "pp2_dp2_interleaved": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), {}, 1),
     "pp2_dp2_tp2_ep2": (dict(pp=2, dp=2, tp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
 }
