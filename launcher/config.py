@@ -339,9 +339,6 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
     if p.sequence_parallel and p.tp > 1:
         if t.seq_len % p.tp:
             out.append(("train.seq_len", t.seq_len, f"must be divisible by parallel.tp ({p.tp}) with sequence_parallel"))
-        if m.position in ("learned", "sinusoidal"):
-            out.append(("parallel.sequence_parallel", True,
-                        f"needs positions applied inside attention (rope, alibi, none), not model.position={m.position}"))
     return out
 
 

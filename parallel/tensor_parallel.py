@@ -53,8 +53,12 @@ def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfi
     # Between blocks the residual stream is replicated (TP) or split over S (SP).
     residual = Shard(1) if sp else Replicate()
     plan: dict[str, object] = {}
+    # Absolute positions (learned, sinusoidal) are added to the embedding's output over all of S,
+    # so under sequence parallel the split comes after them, at the first block: a local slice.
+    split_at_first_block = sp and model.embed is not None and model.cfg.position in ("learned", "sinusoidal")
     if model.embed is not None:
-        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual)
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(),
+                                        output_layouts=Replicate() if split_at_first_block else residual)
     if model.norm is not None and sp:
         plan["norm"] = SequenceParallel()
     if model.head is not None:
@@ -68,6 +72,11 @@ def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfi
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, sp))
         _shard_alibi_slopes(block.attn, tp_mesh.size(), tp_mesh.get_local_rank())
+    if split_at_first_block:
+        first = next(iter(model.layers.values()))
+        parallelize_module(first, tp_mesh, PrepareModuleInput(input_layouts=(Replicate(),),
+                                                               desired_input_layouts=(Shard(1),),
+                                                               use_local_output=True))
 
 
 def _block_plan(block: nn.Module, sp: bool) -> dict[str, object]:

@@ -43,10 +43,13 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads
                     attention="eager",
                     moe=MoEConfig(num_experts=4, top_k=2, d_expert=32, every=2, aux_loss_coef=0.01, z_loss_coef=0.001))
 
-# name → (parallel layout, model changes, grad_accum)
+# name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
+    "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
+    "pp2_tp2_sp_sinusoidal": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"),
+                              {"position": "sinusoidal"}, 1),
     "dp2_fsdp": (dict(dp=2), {}, 2),
     "dp2_ddp": (dict(dp=2, dp_mode="ddp"), {}, 1),
     "ep2_fsdp": (dict(dp=2, ep=2), {}, 1),
@@ -116,7 +119,9 @@ def full_grad(pm, name: str, p: torch.Tensor) -> torch.Tensor:
 def run_case(name: str) -> dict:
     layout, moe_changes, grad_accum = CASES[name]
     pcfg = ParallelConfig(**layout)
-    model_cfg = MODEL if not moe_changes else MODEL.replace(moe=replace(MODEL.moe, **moe_changes))
+    model_changes = {k: v for k, v in moe_changes.items() if k == "position"}
+    moe_only = {k: v for k, v in moe_changes.items() if k != "position"}
+    model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
     mb = pcfg.microbatches if pcfg.pp > 1 else 1
     ref = reference(model_cfg, pcfg.dp * grad_accum * mb)
     mesh = build_mesh(pcfg, dist.get_world_size())

@@ -20,9 +20,9 @@ WORKER = Path(__file__).with_name("parity_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 LAUNCHES = {
-    2: ["tp2", "tp2_sp", "dp2_fsdp", "dp2_ddp", "ep2_fsdp", "ep2_ddp_capacity",
+    2: ["tp2", "tp2_sp", "tp2_sp_learned", "dp2_fsdp", "dp2_ddp", "ep2_fsdp", "ep2_ddp_capacity",
         "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble"],
-    4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_dp2_interleaved"],
+    4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved"],
     8: ["pp2_dp2_tp2_ep2"],
 }
 
