@@ -41,7 +41,6 @@ def cfg_with(*overrides):
     (["parallel.tp=2", "model.vocab_size=63"], "must divide model.vocab_size"),
     (["parallel.pp=2", "parallel.microbatches=2", "model.tie_embeddings=true"], "cannot tie"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15"], "divisible by parallel.tp"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "model.position=learned"], "positions applied inside"),
     (["model.moe.num_experts=0", "parallel.dp=2", "parallel.ep=2"], "needs an MoE model"),
 ])
 def test_bad_layouts_name_the_rule(overrides, rule):
