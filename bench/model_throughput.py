@@ -11,6 +11,11 @@ A step is forward, cross-entropy (+ the router's aux loss), backward and AdamW.
 
 Prints a table and one JSON line. Numbers are only comparable within a run: on a shared 2-core
 machine other load slows everything several-fold (the run warns when the load average is high).
+
+Under bf16 autocast the two MoEs do not run the same arithmetic: transformers' Mixtral sends its
+experts through `torch._grouped_mm`, which has no autocast rule, and casts the input to the
+weights' dtype (transformers/integrations/moe.py `_grouped_mm`), so its experts stay in fp32;
+moetron's experts run in bf16 as asked. On a CPU without native bf16 that favours transformers.
 """
 
 from __future__ import annotations
