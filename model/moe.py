@@ -43,7 +43,9 @@ class LocalDispatcher:
         order_A = torch.argsort(expert_A, stable=True)
         offsets_E = torch.cumsum(torch.bincount(expert_A, minlength=num_experts), 0).to(torch.int32)
         token_A, weight_A = token_A[order_A], weight_A[order_A]
-        return x_TD[token_A], offsets_E, DispatchState(token_A, weight_A, T)
+        # index_select, not x_TD[token_A]: its backward is index_add_, ~10× faster on CPU than the
+        # accumulating index_put_ that advanced indexing differentiates into.
+        return x_TD.index_select(0, token_A), offsets_E, DispatchState(token_A, weight_A, T)
 
     def combine(self, y_AD: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Weight each route's output and sum it into its token → y_TD (dropped tokens get 0)."""
