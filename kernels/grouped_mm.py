@@ -80,8 +80,7 @@ def _k_contiguous(w_EKN: torch.Tensor) -> torch.Tensor:
     Without native bf16 (AVX2 only: no AVX512-BF16, no AMX), a bf16 x @ w runs at
     ~1 GFLOP/s when w is row-major and 10-16 GFLOP/s when it is column-major (measured for
     T = 32..512, K, N = 256..1024; fp16 takes the same path, unmeasured), because only the latter
-    walks both operands along K. The
-    copy is E·K·N elements, small next to the products it speeds up."""
+    walks both operands along K. The copy is E·K·N elements, small next to the products it speeds up."""
     return w_EKN if w_EKN.stride(1) == 1 else w_EKN.transpose(1, 2).contiguous().transpose(1, 2)
 
 
