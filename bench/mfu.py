@@ -24,8 +24,8 @@ from moetron.launcher.flop_counter import ComponentFlopCounter, single_process_s
 from moetron.launcher.mfu import CPU_PEAK_SHAPES, device_peak, time_matmul
 from moetron.launcher.optim import build_optimizer
 from moetron.launcher.trainer import resolve_device, use_bf16
-from moetron.model import build_model
 from moetron.model.flops import flops_per_token, flops_per_token_6n
+from moetron.model.transformer import build_model
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

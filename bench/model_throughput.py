@@ -31,7 +31,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 
 
 def moetron_configs(args) -> dict[str, ModelConfig]:

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.model import ModelConfig, build_model
+from moetron.model.config import ModelConfig
+from moetron.model.transformer import build_model
 
 
 def depth_config(n_layers: int, norm_position: str, d_model: int = 256) -> ModelConfig:

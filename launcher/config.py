@@ -164,8 +164,13 @@ class Config:
 # Loading
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """Read a YAML preset, apply `a.b=value` overrides, build the typed config and validate it."""
+def load_config(path: str | Path, overrides: list[str] = (), *, world_size: int | None = None) -> Config:
+    """Read a YAML preset, apply `a.b=value` overrides, build the typed config and validate it.
+
+    `world_size`, when known (the launch's ranks, a Slurm allocation's GPUs), fills in `parallel.dp`
+    if neither the preset nor an override gives it, as Megatron-LM and torchtitan do:
+    dp = world_size / (pp × tp). A `dp` that is given is kept, and checked against the launch later.
+    """
     path = Path(path)
     data = read_yaml_with_base(path)
     for item in overrides:
@@ -173,9 +178,24 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     data.setdefault("train", {})
     if isinstance(data["train"], dict) and data["train"].get("name") is None:
         data["train"]["name"] = path.stem
+    if world_size is not None:
+        _infer_dp(data, world_size)
     cfg = from_dict(Config, data)
     validate(cfg)
     return cfg
+
+
+def _infer_dp(data: dict[str, Any], world_size: int) -> None:
+    par = data.setdefault("parallel", {})
+    if not isinstance(par, dict) or par.get("dp") is not None:
+        return
+    pp, tp = par.get("pp", 1), par.get("tp", 1)
+    if not (isinstance(pp, int) and isinstance(tp, int) and pp >= 1 and tp >= 1):
+        return  # the field checks name the bad value
+    if world_size % (pp * tp):
+        raise ConfigError(f"parallel.pp × tp = {pp} × {tp} = {pp * tp}: must divide the number of launched "
+                          f"ranks ({world_size}) so that parallel.dp can be inferred")
+    par["dp"] = world_size // (pp * tp)
 
 
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -347,4 +367,5 @@ def validate_launch(cfg: Config, world_size: int) -> None:
     p = cfg.parallel
     if p.world_size != world_size:
         raise ConfigError(f"parallel.pp × dp × tp = {p.pp} × {p.dp} × {p.tp} = {p.world_size}: must equal the "
-                          f"number of launched ranks ({world_size})")
+                          f"number of launched ranks ({world_size}); leave parallel.dp out to infer it "
+                          f"(dp = ranks / (pp × tp))")

@@ -12,6 +12,7 @@ so the split never changes with the order or number of inputs.
 from __future__ import annotations
 
 import json
+import os
 import sysconfig
 import zlib
 from dataclasses import dataclass
@@ -24,17 +25,29 @@ import torch
 from moetron.launcher.tokenizer import Tokenizer, load_tokenizer, tokenizer_spec
 
 TEST_FOLDERS = {"test", "tests", "idle_test"}
+THIRD_PARTY_FOLDERS = {"site-packages", "dist-packages"}
 
 
 def stdlib_documents() -> Iterator[tuple[str, str]]:
     """(name, text) of every .py file of the running interpreter's standard library, test folders
     and third-party packages excluded, in sorted order: real text on every machine, no download."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if TEST_FOLDERS & set(rel.parts[:-1]) or rel.parts[0] in ("site-packages", "dist-packages"):
+    for rel in sorted(_stdlib_sources(root), key=lambda r: r.parts):
+        try:
+            text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:  # removed since the walk (e.g. by a pip running beside us)
             continue
-        yield str(rel), path.read_text(encoding="utf-8", errors="replace")
+        yield str(rel), text
+
+
+def _stdlib_sources(root: Path) -> Iterator[Path]:
+    """.py files under `root`, relative to it, never entering site-packages or test folders:
+    with torch and transformers installed, site-packages is most of the tree."""
+    for folder, subfolders, files in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        subfolders[:] = [d for d in subfolders if d not in TEST_FOLDERS
+                         and not (rel == Path(".") and d in THIRD_PARTY_FOLDERS)]
+        yield from (rel / f for f in files if f.endswith(".py"))
 
 
 def is_validation(name: str, val_fraction: float) -> bool:

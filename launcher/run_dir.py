@@ -18,7 +18,13 @@ import yaml
 
 from moetron.launcher.config import Config
 from moetron.parallel.checkpoint import COMPLETE, latest_checkpoint, previous_checkpoint
-from moetron.parallel.checkpoint_io import CheckpointError, load_metadata, tensor_mismatches, tensor_shapes, verify_checkpoint
+from moetron.parallel.checkpoint_io import (
+    CheckpointError,
+    load_metadata,
+    tensor_mismatches,
+    tensor_shapes,
+    verify_checkpoint,
+)
 
 
 class RunError(RuntimeError):

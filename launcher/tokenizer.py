@@ -65,7 +65,8 @@ class HFTokenizer:
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | Path) -> HFTokenizer:
     """Train a byte-level BPE on `texts` and save it as tokenizer.json."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

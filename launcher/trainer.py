@@ -26,7 +26,7 @@ from moetron.launcher.metrics import MetricsLogger
 from moetron.launcher.optim import build_optimizer, lr_at, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
-from moetron.model import Decoder, build_model
+from moetron.model.transformer import Decoder, build_model
 from moetron.parallel.checkpoint import Checkpointer, ExpertShards, load_checkpoint
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize

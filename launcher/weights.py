@@ -22,7 +22,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from moetron.launcher.config import Config, ConfigError, TrainConfig, config_from_dict
 from moetron.launcher.run_dir import RunError
 from moetron.launcher.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from moetron.model import Decoder, ModelConfig, build_model
+from moetron.model.config import ModelConfig
+from moetron.model.transformer import Decoder, build_model
 from moetron.parallel.checkpoint import COMPLETE, latest_checkpoint, load_checkpoint
 
 TOKENIZER_FILE = "tokenizer.json"

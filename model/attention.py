@@ -114,7 +114,7 @@ class Attention(nn.Module):
     def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H) -> torch.Tensor:
         S, L = q_BHSDh.shape[2], k_BGLDh.shape[2]
         if self.backend == "triton":
-            from moetron.kernels import flash_attention
+            from moetron.kernels.flash_attention import flash_attention
 
             return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=True, alibi_slopes_H=slopes_H,
                                    softmax_scale=self.scale, backend=self.kernel_backend)

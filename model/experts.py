@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetron.kernels import grouped_mm
+from moetron.kernels.grouped_mm import grouped_mm
 from moetron.model.layers import activate
 
 

@@ -13,6 +13,7 @@ class ParallelConfig:
     """world = pp × dp × tp; expert parallelism is carved out of the data-parallel ranks (ep | dp)."""
 
     pp: int = 1
+    # Left out of a config, it is inferred from the launch: world size / (pp × tp) (launcher/config.py).
     dp: int = 1
     tp: int = 1
     ep: int = 1

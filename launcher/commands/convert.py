@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from moetron.launcher.commands.help import HelpFormatter
 
 
 def register(sub) -> None:
@@ -13,7 +13,7 @@ def register(sub) -> None:
                     "`moetron generate` reads; --to-hf takes a checkpoint or a run folder (its newest "
                     "checkpoint) and writes a folder MixtralForCausalLM.from_pretrained loads. A "
                     "tokenizer.json travels along when there is one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to read")
     direction.add_argument("--to-hf", metavar="RUN_OR_CHECKPOINT", help="moetron checkpoint or run folder to read")
@@ -31,8 +31,14 @@ def run(args) -> int:
 
     from moetron.launcher.config import ConfigError
     from moetron.launcher.run_dir import RunError
-    from moetron.launcher.weights import (TOKENIZER_FILE, checkpoint_config, checkpoint_tokenizer, load_model,
-                                          resolve_checkpoint, save_weights)
+    from moetron.launcher.weights import (
+        TOKENIZER_FILE,
+        checkpoint_config,
+        checkpoint_tokenizer,
+        load_model,
+        resolve_checkpoint,
+        save_weights,
+    )
     from moetron.model.hf import CONFIG_FILE, hf_problems, load_hf, save_hf
 
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)

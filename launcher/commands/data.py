@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from moetron.launcher.commands.help import HelpFormatter
 
 
 def register(sub) -> None:
@@ -14,7 +14,7 @@ def register(sub) -> None:
                     "field --text-key) into PREFIX.json + PREFIX.{train,val}-NNNNN.bin, the format "
                     "data.source=PREFIX reads. `stdlib` as an input means the Python standard "
                     "library's own source.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     prep.add_argument("inputs", nargs="+", help="text or .jsonl files, or 'stdlib'")
     prep.add_argument("--out", required=True, metavar="PREFIX", help="output prefix, e.g. data/corpus")
     prep.add_argument("--tokenizer", default="byte",

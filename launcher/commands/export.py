@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+
+from moetron.launcher.commands.help import HelpFormatter
 
 
 def register(sub) -> None:
@@ -15,7 +16,7 @@ def register(sub) -> None:
                     "RUN_OR_CHECKPOINT is a run folder (its newest complete checkpoint is used) or a "
                     "checkpoint folder. Optimizer state is not exported. Every shard is verified "
                     "against the checkpoint's manifest first.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
     p.add_argument("--out", required=True, metavar="FILE", help="the .safetensors file to write (must not exist)")
     p.add_argument("--dtype", choices=("saved", "float32", "bfloat16", "float16"), default="saved",

@@ -3,7 +3,7 @@ before spending any GPU; with `--measure`, the same FLOPs counted on real traini
 
 from __future__ import annotations
 
-import argparse
+from moetron.launcher.commands.help import HelpFormatter
 
 # Counted and analytic FLOPs outside attention may differ by this much before `--measure` fails.
 MEASURE_TOLERANCE = 0.02
@@ -16,12 +16,12 @@ def register(sub) -> None:
                     "token by component (attention both as the full square and causal-halved); KV "
                     "cache; memory per rank for the config's parallel layout. --measure runs real "
                     "training steps on random tokens and compares the FLOPs they executed, exiting "
-                    "with status 1 when counted and analytic differ by more than 2%% outside attention.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "with status 1 when counted and analytic differ by more than 2% outside attention.",
+        formatter_class=HelpFormatter)
     p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default: train.seq_len)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: train.batch_size)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
     p.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached key/value element (2: bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--measure", action="store_true", help="count FLOPs on real forward+backward steps")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from moetron.launcher.commands.help import HelpFormatter
 
 
 def register(sub) -> None:
@@ -13,7 +13,7 @@ def register(sub) -> None:
                     "(its newest complete checkpoint is used) or a checkpoint folder. The tokenizer is "
                     "the run's (or a tokenizer.json beside a converted checkpoint). MoE layers run "
                     "dropless. Stops after --max-new-tokens or the end-of-text token.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
     p.add_argument("--prompt", default=None, metavar="TEXT", help="prompt text, encoded with the run's tokenizer")
     p.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as token ids, e.g. 1,2,3")

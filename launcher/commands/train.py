@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import argparse
+from moetron.launcher.commands.help import HelpFormatter
 
 
 def register(sub) -> None:
@@ -12,7 +12,7 @@ def register(sub) -> None:
                     "dotted key=value pairs, e.g. `moetron train configs/tiny.yaml model.moe.top_k=1 "
                     "train.steps=200`. Outputs go to <train.run_dir>/<train.name>/ (metrics.jsonl, "
                     "tensorboard/, checkpoints/). Under torchrun, srun or mpirun every rank runs this.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
@@ -29,9 +29,10 @@ def run(args) -> int:
     from moetron.launcher.config import load_config
     from moetron.launcher.trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    info = detect_rank()
+    cfg = load_config(args.config, args.overrides, world_size=info.world_size)
     run_path = train(cfg, resume=args.resume, exit_after=args.exit_after)
-    if not detect_rank().is_main:
+    if not info.is_main:
         return 0
     print(f"run folder:   {run_path}")
     print(f"metrics:      {run_path / 'metrics.jsonl'}")

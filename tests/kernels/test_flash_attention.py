@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from moetron.kernels import flash_attention, flash_attention_reference
+from moetron.kernels.flash_attention import flash_attention, flash_attention_reference
 
 
 def _naive_attention(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from moetron.kernels import grouped_mm, grouped_mm_reference
+from moetron.kernels.grouped_mm import grouped_mm, grouped_mm_reference
 
 
 def _tile(backend: str) -> int:

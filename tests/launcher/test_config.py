@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moetron.launcher.config import Config, ConfigError, config_from_dict, load_config
+from moetron.launcher.config import Config, ConfigError, config_from_dict, load_config, validate_launch
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -81,3 +81,23 @@ def test_base_presets_merge_section_by_section(tmp_path):
     (tmp_path / "c.yaml").write_text("base: c.yaml\n")
     with pytest.raises(ConfigError, match="loops back"):
         load_config(tmp_path / "c.yaml")
+
+
+def test_dp_follows_the_world_size_when_left_out():
+    """Megatron-LM and torchtitan infer data parallelism from the launch; so does moetron."""
+    cfg = load_config(CONFIGS / "tiny.yaml", ["parallel.tp=2", "parallel.ep=2"], world_size=4)
+    assert (cfg.parallel.dp, cfg.parallel.world_size) == (2, 4)
+    cfg = load_config(CONFIGS / "tiny.yaml", ["parallel.pp=2", "parallel.microbatches=2"], world_size=8)
+    assert cfg.parallel.dp == 4
+    assert load_config(CONFIGS / "tiny.yaml").parallel.dp == 1  # no launch known: one data-parallel rank
+    with pytest.raises(ConfigError, match=r"parallel.pp × tp = 1 × 2 = 2: must divide the number of launched ranks \(3\)"):
+        load_config(CONFIGS / "tiny.yaml", ["parallel.tp=2"], world_size=3)
+
+
+def test_an_explicit_dp_is_kept_and_checked_against_the_launch():
+    cfg = load_config(CONFIGS / "tiny-tp2-ep2.yaml", world_size=8)
+    assert cfg.parallel.dp == 2  # written in the preset: not overridden by the launch
+    with pytest.raises(ConfigError, match=r"= 4: must equal the number of launched ranks \(8\)"):
+        validate_launch(cfg, 8)
+    with pytest.raises(ConfigError, match=r"parallel.ep = 2: must divide dp \(1\)"):
+        load_config(CONFIGS / "tiny.yaml", ["parallel.dp=1", "parallel.tp=2", "parallel.ep=2"], world_size=4)

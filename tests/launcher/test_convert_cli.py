@@ -12,7 +12,8 @@ from moetron.launcher.cli import main
 from moetron.launcher.config import Config, TrainConfig
 from moetron.launcher.optim import build_optimizer
 from moetron.launcher.weights import load_model, save_weights
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 from moetron.parallel.checkpoint import load_checkpoint, save_checkpoint
 
 VOCAB = 96

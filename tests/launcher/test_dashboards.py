@@ -17,7 +17,8 @@ from moetron.launcher.config import load_config
 from moetron.launcher.dashboards import custom_scalars_layout, encode_png, heatmap_rgb, load_ratios
 from moetron.launcher.mfu import MfuMeter, Peak, cpu_matmul_peak, device_peak, gpu_peak_tflops
 from moetron.launcher.trainer import train
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 PEAK_TFLOPS = 0.001  # an override, so the run needs no CPU peak measurement

@@ -8,8 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moetron.launcher.data import (WindowSampler, is_validation, load_token_data, stdlib_documents,
-                                   tokenize_split, validation_batches)
+from moetron.launcher.data import (
+    WindowSampler,
+    is_validation,
+    load_token_data,
+    stdlib_documents,
+    tokenize_split,
+    validation_batches,
+)
 from moetron.launcher.tokenizer import ByteTokenizer, load_tokenizer
 
 

@@ -10,8 +10,9 @@ import torch
 
 from moetron.launcher.cli import main
 from moetron.launcher.flop_counter import ComponentFlopCounter, measure_flops, single_process_step, worst_mismatch
-from moetron.model import ModelConfig, MoEConfig, build_model
 from moetron.model import flops
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",

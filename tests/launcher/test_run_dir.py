@@ -14,7 +14,7 @@ import torch
 
 from moetron.launcher.config import load_config
 from moetron.launcher.trainer import train
-from moetron.model import build_model
+from moetron.model.transformer import build_model
 from moetron.parallel.checkpoint import STALL_ENV, consolidated_model_state, load_checkpoint
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

@@ -6,8 +6,9 @@ import itertools
 
 import pytest
 
-from moetron.model import ModelConfig, MoEConfig, build_model
 from moetron.model import flops
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 
 MOES = {
     "dense": MoEConfig(),

@@ -4,8 +4,9 @@ encoding and head layout; top-k / top-p keep exactly the tokens a direct computa
 import pytest
 import torch
 
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.generate import Sampling, allowed_tokens, generate, generate_without_cache, next_token
+from moetron.model.transformer import build_model
 
 VOCAB = 48
 

@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.generate import generate
 from moetron.model.hf import config_from_hf, config_to_hf, hf_problems, load_hf, save_hf
+from moetron.model.transformer import build_model
 
 VOCAB = 96
 

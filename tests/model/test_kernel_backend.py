@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from moetron.model import ModelConfig, MoEConfig, build_model
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 
 
 @pytest.mark.forked

@@ -11,10 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from moetron.model import ModelConfig, build_model
-from moetron.model.config import MoEConfig
+from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.layers import FeedForward
 from moetron.model.moe import MoELayer
+from moetron.model.transformer import build_model
 
 
 def _config(*, top_k=2, capacity_factor=None, d_model=8, d_expert=6, num_experts=4, activation="swiglu",

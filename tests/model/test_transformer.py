@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moetron.model import ModelConfig, MoEConfig, build_model
 from moetron.model.attention import eager_attention
-from moetron.model.transformer import Block, Decoder
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import Block, Decoder, build_model
 
 
 def _config(**changes) -> ModelConfig:

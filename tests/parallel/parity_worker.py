@@ -27,8 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from moetron.model import build_model
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import build_mesh

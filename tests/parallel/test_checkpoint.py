@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from moetron.parallel import checkpoint
-
 from moetron.parallel.checkpoint import (
     Checkpointer,
     complete_checkpoints,
@@ -183,8 +182,9 @@ def test_malicious_entry_inside_a_shard_is_refused(tmp_path):
     ckpt = save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
     model2, opt2 = make()
     import torch.distributed.checkpoint as dcp
-    from moetron.parallel.checkpoint import STATE_OPTIONS
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from moetron.parallel.checkpoint import STATE_OPTIONS
 
     msd, osd = get_state_dict(model2, opt2, options=STATE_OPTIONS)
     key = next(k for k, v in osd.items() if k.startswith("param_groups.") and k.endswith(".lr"))

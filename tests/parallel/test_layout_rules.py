@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 
 from moetron.launcher.config import ConfigError, apply_override, config_from_dict, validate_launch
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import check_layout, layout_problems
-from moetron.parallel.pipeline import stages_of_rank, split_stage
-from moetron.model import build_model
-from moetron.model.config import ModelConfig, MoEConfig
+from moetron.parallel.pipeline import split_stage, stages_of_rank
 
 BASE = {
     "model": {"vocab_size": 64, "d_model": 32, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "d_ff": 64,

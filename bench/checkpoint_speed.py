@@ -10,8 +10,8 @@ For each save it records
             the latency is only known at the next poll, so it rounds up to whole steps
 and the mean step time of the steps that overlapped a write. Prints a table and one JSON line.
 
-    python bench/checkpoint.py                       # d_model 256, 4 layers, 3 saves per mode
-    python bench/checkpoint.py --d-model 512 --saves 2 --dir /scratch/ckpt-bench
+    python bench/checkpoint_speed.py                       # d_model 256, 4 layers, 3 saves per mode
+    python bench/checkpoint_speed.py --d-model 512 --saves 2 --dir /scratch/ckpt-bench
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.launcher.config import load_config
-from moetron.model import build_model
+from moetron.model.transformer import build_model
 from moetron.parallel.checkpoint import Checkpointer
 from moetron.parallel.checkpoint_io import read_manifest
 

@@ -1,7 +1,7 @@
 """Check, then time, moetron's Triton kernels against torch's own on one GPU, in one run.
 
-    python bench/kernels.py                 # everything, ~2-4 minutes on an H100/H200
-    python bench/kernels.py --only attention --seq-lens 4096
+    python bench/kernel_speed.py                 # everything, ~2-4 minutes on an H100/H200
+    python bench/kernel_speed.py --only attention --seq-lens 4096
 
 Grouped GEMM (bf16): forward, dX and dW on MoE expert shapes, each beside cuBLAS dense matmul of
 the same FLOPs (x_TK @ w_KN) and torch._grouped_mm on the same groups. Attention (bf16, head dim
@@ -66,7 +66,7 @@ def routed_offsets(tokens: int, top_k: int, experts: int, device) -> torch.Tenso
 
 def check_grouped_mm(device) -> dict:
     """Ragged groups with empty ones and tail rows: Triton against the fp64 loop reference."""
-    from moetron.kernels import grouped_mm, grouped_mm_reference
+    from moetron.kernels.grouped_mm import grouped_mm, grouped_mm_reference
 
     offsets_E = torch.tensor([0, 300, 300, 777, 1000, 1000], device=device, dtype=torch.int32)
     x = torch.randn(1033, 520, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -83,7 +83,7 @@ def check_grouped_mm(device) -> dict:
 
 def check_attention(device) -> dict:
     """Causal GQA with ALiBi and ragged lengths, then a decode step: against the eager reference."""
-    from moetron.kernels import flash_attention, flash_attention_reference
+    from moetron.kernels.flash_attention import flash_attention, flash_attention_reference
 
     errs = {}
     for name, (S_Q, S_K) in {"prefill": (1000, 1000), "decode": (77, 1000)}.items():
@@ -189,7 +189,7 @@ def print_table(rows: list[dict]) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (it times compiled Triton kernels against cuBLAS and "
+        print("bench/kernel_speed.py needs a CUDA GPU (it times compiled Triton kernels against cuBLAS and "
               "SDPA); none is visible here. The CPU tests are `pytest tests/kernels`.", file=sys.stderr)
         return 2
     device = torch.device("cuda")

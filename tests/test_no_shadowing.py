@@ -1,0 +1,99 @@
+"""Starting Python in the repository, or a script in bench/, must not hide an installed package.
+
+`python -m pytest`, `python -c` and notebooks put the working folder first on sys.path, and
+`python bench/x.py` puts bench/ first. The top-level folders are namespace portions (no
+`__init__.py`): the import system takes any regular package or module found anywhere on the path
+before a namespace portion, so `kernels/` can never stand in for the `kernels` package that
+transformers imports. A bench/ script is a plain module, which is taken first wherever it sits,
+so its name must not be one that Python or an installed distribution uses.
+"""
+
+import importlib.metadata
+import subprocess
+import sys
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+# The repository root is the `moetron` package itself (pyproject's package-dir); `__main__` is
+# always the running script, so neither can stand in for anything.
+ROOT_FILES = {"__init__.py", "__main__.py"}
+
+
+def import_names() -> set[str]:
+    """Top-level import names of the standard library and of every installed distribution."""
+    return set(sys.stdlib_module_names) | set(importlib.metadata.packages_distributions())
+
+
+def shadowed(folder: Path, names: set[str]) -> dict[str, str]:
+    """{name: what in `folder` it resolves to} for each name that Python, started with `folder`
+    first on its path, would import from `folder` (the import system's own rule, PathFinder)."""
+    rest = [p for p in sys.path if p and Path(p).resolve() != folder.resolve()]
+    out = {}
+    for name in sorted(names):
+        spec = PathFinder.find_spec(name, [str(folder), *rest])
+        if spec is None:
+            continue
+        if spec.origin and Path(spec.origin).resolve().is_relative_to(folder.resolve()):
+            out[name] = spec.origin
+    return out
+
+
+def test_the_check_sees_a_folder_or_module_that_shadows(tmp_path):
+    """The check itself: a module named like a stdlib one, and a regular package named like an
+    installed distribution, are both reported; a namespace portion is not."""
+    (tmp_path / "json.py").write_text("")
+    (tmp_path / "yaml").mkdir()
+    (tmp_path / "yaml" / "__init__.py").write_text("")
+    (tmp_path / "torch").mkdir()  # a namespace portion, as the repository's folders are
+    (tmp_path / "torch" / "x.py").write_text("")
+    assert set(shadowed(tmp_path, {"json", "yaml", "torch"})) == {"json", "yaml"}
+
+
+def test_no_top_level_folder_shadows_an_installed_package():
+    assert shadowed(ROOT, import_names()) == {}
+    portions = [p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
+    assert portions == [], f"{portions}: top-level folders must not hold __init__.py (see this module)"
+    modules = [p.name for p in ROOT.glob("*.py") if p.name not in ROOT_FILES]
+    assert modules == [], f"{modules}: a module at the repository root would shadow any package of that name"
+
+
+def test_no_bench_module_shadows_an_installed_package():
+    assert shadowed(BENCH, import_names()) == {}
+
+
+def test_transformers_imports_from_the_repository_root():
+    pytest.importorskip("transformers")
+    code = "import transformers.models.mixtral.modeling_mixtral, transformers.models.bloom.modeling_bloom"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def test_bench_script_starts_as_documented(script):
+    """`python bench/NAME.py --help` from the repository root: every import at its top resolves."""
+    proc = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "usage:" in proc.stdout
+
+
+def test_a_plain_wheel_holds_every_module_and_preset(tmp_path):
+    """Without `__init__.py` the folders are still packaged: a built (not editable) wheel holds every
+    source module and every preset and Slurm script under the `moetron.` namespace."""
+    import zipfile
+
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--wheel-dir", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = (tmp_path / "dist").glob("moetron-*.whl")
+    held = set(zipfile.ZipFile(wheel).namelist())
+    folders = ("kernels", "model", "parallel", "launcher", "configs", "slurm")
+    expected = {f"moetron/{p.relative_to(ROOT)}" for folder in folders for p in (ROOT / folder).rglob("*")
+                if p.suffix in (".py", ".yaml", ".sh", ".sbatch") and "__pycache__" not in p.parts}
+    assert expected - held == set()
+    assert {"moetron/__init__.py", "moetron/__main__.py"} <= held
