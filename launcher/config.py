@@ -60,6 +60,11 @@ class TrainConfig:
     min_lr: float = 3e-4
     warmup_steps: int = 100
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    # Steps over which the lr warms up and decays to min_lr (Megatron's --lr-decay-iters); after them
+    # it stays at min_lr. null: train.steps of the run's first start — a resumed run keeps the
+    # length its checkpoint was trained with, so raising train.steps extends a run without
+    # re-bending what it already did.
+    lr_decay_steps: Optional[int] = None
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -89,6 +94,8 @@ class TrainConfig:
         for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps", "peak_tflops"):
             if getattr(self, k) < 0:
                 out.append((k, getattr(self, k), "must be >= 0"))
+        if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
+            out.append(("lr_decay_steps", self.lr_decay_steps, "must be >= 1 (or null: train.steps)"))
         if self.min_lr > self.lr:
             out.append(("min_lr", self.min_lr, f"must be <= lr ({self.lr})"))
         for k in ("beta1", "beta2"):

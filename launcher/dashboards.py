@@ -6,7 +6,8 @@ Legend: L MoE layers (rows of the heatmap), E experts.
 
 Tags written here (the flat scalars — loss, val_loss, lr, grad_norm, tokens_per_s,
 tflops_per_device, mfu, mfu_measured, memory_gib, step_time — come from the trainer's record):
-  moe/expert_load                       image, L × E, colour = load / mean load (1 = balanced)
+  moe/expert_load                       image: L × E heatmap with axes, colour = load / mean load
+                                        (colour bar 0..2, 1 = balanced)
   moe/expert_load/layer_<i>             histogram over expert ids, weighted by routes received
   moe/layer_<i>/{dropped_fraction, router_entropy, aux_loss, z_loss, max_load}   scalars
   accounting                            text: parameters, FLOPs, KV cache, memory, MFU peak
@@ -14,18 +15,12 @@ tflops_per_device, mfu, mfu_measured, memory_gib, step_time — come from the tr
 
 from __future__ import annotations
 
-import struct
-import zlib
-
 import numpy as np
 
 from moetron.model.flops import human, summary_rows
 
-# A few stops of matplotlib's viridis, interpolated linearly: perceptually even, readable in grey.
-_VIRIDIS = np.array([[68, 1, 84], [59, 82, 139], [33, 145, 140], [94, 201, 98], [253, 231, 37]], dtype=np.float64)
 # Load ratios are drawn from 0 (idle expert) to this (twice its fair share, or more).
 _LOAD_RATIO_MAX = 2.0
-_HEATMAP_WIDTH_PX = 384
 
 
 def custom_scalars_layout(moe: bool) -> dict:
@@ -62,28 +57,36 @@ def load_ratios(counts_LE: np.ndarray) -> np.ndarray:
     return np.divide(counts_LE, mean_L1, out=np.zeros_like(counts_LE), where=mean_L1 > 0)
 
 
-def heatmap_rgb(values_LE: np.ndarray, vmax: float = _LOAD_RATIO_MAX, width_px: int = _HEATMAP_WIDTH_PX) -> np.ndarray:
-    """(L, E) values in [0, vmax] → an (H, W, 3) uint8 image, one flat block per cell."""
-    L, E = values_LE.shape
-    x = np.clip(values_LE / vmax, 0.0, 1.0) * (len(_VIRIDIS) - 1)
-    lo = np.floor(x).astype(int).clip(max=len(_VIRIDIS) - 2)
-    frac = (x - lo)[..., None]
-    rgb_LE3 = _VIRIDIS[lo] * (1 - frac) + _VIRIDIS[lo + 1] * frac
-    cell = max(width_px // E, 4)
-    rgb = np.repeat(np.repeat(rgb_LE3, cell, axis=0), cell, axis=1)
-    return rgb.round().astype(np.uint8)
+def expert_load_figure(ratios_LE: np.ndarray, layer_ids: list[int], step: int):
+    """The L × E load ratios as a labelled heatmap: layers down, experts across, a colour bar from
+    0 (idle) to 2× the fair share (viridis; darker is idler). Built on a matplotlib Figure of its
+    own, never pyplot, so nothing global is touched."""
+    from matplotlib.figure import Figure
+
+    L, E = ratios_LE.shape
+    fig = Figure(figsize=(min(2.5 + 0.35 * E, 14), 1.4 + 0.3 * L), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    im = ax.imshow(ratios_LE, cmap="viridis", vmin=0.0, vmax=_LOAD_RATIO_MAX, aspect="auto",
+                   interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("MoE layer")
+    ax.set_xticks(range(E) if E <= 32 else range(0, E, max(E // 16, 1)))
+    ax.set_yticks(range(L), [str(i) for i in layer_ids])
+    ax.set_title(f"expert load / mean load, step {step}", fontsize=9)
+    fig.colorbar(im, ax=ax, label="load ÷ mean (1 = balanced)")
+    return fig
 
 
-def encode_png(rgb_HW3: np.ndarray) -> bytes:
-    """A minimal RGB PNG encoder, so images need no imaging library."""
-    H, W, _ = rgb_HW3.shape
-    raw = b"".join(b"\x00" + rgb_HW3[row].tobytes() for row in range(H))
+def figure_png(fig) -> tuple[bytes, int, int]:
+    """(PNG bytes, height, width) of a matplotlib Figure, rendered by Agg."""
+    import io
+    import struct
 
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", W, H, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b"")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    png = buf.getvalue()
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk follows the 8-byte signature
+    return png, height, width
 
 
 def accounting_markdown(acct: dict, peak_source: str | None = None) -> str:
@@ -122,7 +125,7 @@ class Dashboards:
         # NOTE: host-device sync to read the routing statistics.
         counts_LE = np.stack([stats[i].counts_E.detach().float().cpu().numpy() for i in layers])
         ratios_LE = load_ratios(counts_LE)
-        self._image("moe/expert_load", heatmap_rgb(ratios_LE), step)
+        self._image("moe/expert_load", expert_load_figure(ratios_LE, layers, step), step)
         for row, layer in enumerate(layers):
             s = stats[layer]
             self._expert_histogram(f"moe/expert_load/layer_{layer}", counts_LE[row], step)
@@ -143,14 +146,14 @@ class Dashboards:
             sum_squares=float((ids_E**2 * counts_E).sum()), bucket_limits=(ids_E + 0.5).tolist(),
             bucket_counts=counts_E.tolist(), global_step=step)
 
-    def _image(self, tag: str, rgb_HW3: np.ndarray, step: int) -> None:
+    def _image(self, tag: str, fig, step: int) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        H, W, _ = rgb_HW3.shape
-        image = Summary.Image(height=H, width=W, colorspace=3, encoded_image_string=encode_png(rgb_HW3))
-        # SummaryWriter.add_image would need PIL to encode; the event file takes the PNG as is.
+        png, H, W = figure_png(fig)
+        image = Summary.Image(height=H, width=W, colorspace=4, encoded_image_string=png)
+        # SummaryWriter.add_figure would go through pyplot's global figure manager; the event file
+        # takes the PNG as is.
         self.writer._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
-
 
 
 def start_run_dashboards(cfg, metrics, device, bf16: bool, *, world_size: int = 1, console=print):

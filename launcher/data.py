@@ -84,7 +84,7 @@ def write_shards(prefix: str | Path, splits: dict[str, np.ndarray], tok: Tokeniz
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     header = {"format": "moetron.tokens", "version": 1, "dtype": np.dtype(splits["train"].dtype).name,
-              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tokenizer_spec(tok), "splits": {}}
+              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tokenizer_spec(tok, prefix.parent), "splits": {}}
     for split, tokens in splits.items():
         entries = []
         for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
@@ -133,7 +133,7 @@ def load_token_data(source: str, tokenizer: str = "byte", val_fraction: float = 
         return [np.memmap(header_path.parent / e["file"], dtype=dtype, mode="r", shape=(e["tokens"],))
                 for e in header["splits"][split] if e["tokens"]]
 
-    return TokenData(open_split("train"), open_split("val"), load_tokenizer(header["tokenizer"]))
+    return TokenData(open_split("train"), open_split("val"), load_tokenizer(header["tokenizer"], header_path.parent))
 
 
 class WindowSampler:

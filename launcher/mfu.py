@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import platform
 import time
@@ -42,6 +43,8 @@ GPU_BF16_DENSE_TFLOPS = (
 MFU_TOLERANCE = 0.05
 # Shapes (M, K, N) timed for the CPU peak: square, and a token-batch × d_model × d_ff projection.
 CPU_PEAK_SHAPES = ((2048, 2048, 2048), (4096, 256, 1024), (4096, 1024, 4096))
+# Larger shapes are skipped once one product would take longer than this at the rate seen so far.
+MAX_SECONDS_PER_MATMUL = 1.0
 
 
 @dataclass(frozen=True)
@@ -72,8 +75,14 @@ def _cpu_name() -> str:
 def time_matmul(m: int, k: int, n: int, dtype: torch.dtype, *, seconds: float = 0.25) -> float:
     """Best FLOP/s of (m×k)·(k×n) over repeats lasting about `seconds`."""
     a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    for _ in range(2):  # oneDNN builds a kernel per new shape on the first calls
-        a @ b
+    t0 = time.perf_counter()
+    a @ b
+    first = time.perf_counter() - t0
+    if first > seconds:
+        # An emulated dtype (bf16 without AVX512-BF16/AMX runs at ~1 GFLOP/s): one call already
+        # says how slow it is, and repeats would take minutes.
+        return 2.0 * m * k * n / first
+    a @ b  # oneDNN builds a kernel per new shape on the first calls
     best, deadline = float("inf"), time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         t0 = time.perf_counter()
@@ -94,7 +103,11 @@ def cpu_matmul_peak(dtype: torch.dtype, *, directory: Path | None = None,
         cached = json.loads(path.read_text())
     if key in cached:
         return float(cached[key]), True
-    peak = max(measure(m, k, n, dtype) for m, k, n in CPU_PEAK_SHAPES)
+    peak = 0.0
+    for m, k, n in sorted(CPU_PEAK_SHAPES, key=lambda shape: math.prod(shape)):
+        if peak and 2.0 * m * k * n / peak > MAX_SECONDS_PER_MATMUL:
+            break  # a slow dtype: larger shapes would take minutes and change nothing
+        peak = max(peak, measure(m, k, n, dtype))
     cached[key] = peak
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -22,13 +22,15 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then decay to `min_lr`."""
+def lr_at(step: int, cfg: TrainConfig, decay_steps: int | None = None) -> float:
+    """Learning rate for optimizer step `step` (0-based): linear warmup to `lr`, then decay to
+    `min_lr` at `decay_steps` (default: cfg.lr_decay_steps, else cfg.steps), and `min_lr` after."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.lr_schedule == "constant":
         return cfg.lr
-    progress = min((step - cfg.warmup_steps) / max(cfg.steps - cfg.warmup_steps, 1), 1.0)
+    length = decay_steps or cfg.lr_decay_steps or cfg.steps
+    progress = min((step - cfg.warmup_steps) / max(length - cfg.warmup_steps, 1), 1.0)
     if cfg.lr_schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))

@@ -29,10 +29,12 @@ class Progress:
         if not self.enabled:
             return
         self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "mfu")})
-        info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items())
-        if self._bar is not None:
+        if self._bar is not None:  # the bar shows the newest of each, val_loss included
+            info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items())
             self._bar.update(self._task, completed=step, info=info)
         elif "tokens_per_s" in record or "val_loss" in record:
+            # A log line shows val_loss only where an evaluation ran.
+            info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items() if k != "val_loss" or k in record)
             rate = (step - self.start) / max(time.perf_counter() - self._t0, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else float("nan")
             print(f"step {step}/{self.total}  {info}  eta {eta:,.0f}s", file=self.stream, flush=True)

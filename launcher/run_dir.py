@@ -115,7 +115,7 @@ def _check_same_model(cfg: Config, ckpt: Path) -> None:
 
 def _tensor_differences(cfg: Config, ckpt: Path) -> str:
     """The checkpoint's tensors against a meta-device build of the configured model, as text."""
-    from moetron.model import build_model
+    from moetron.model.transformer import build_model
 
     expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, device="meta").state_dict().items()}
     problems = tensor_mismatches(tensor_shapes(load_metadata(ckpt), "model."), expected)

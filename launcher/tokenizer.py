@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Iterable, Protocol
 
@@ -78,21 +79,23 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str | Path) -> HF
     return HFTokenizer(out_path)
 
 
-def load_tokenizer(spec: str | dict) -> Tokenizer:
-    """"byte", a tokenizer.json path, or the `tokenizer` entry of a token-shard header."""
+def load_tokenizer(spec: str | dict, base: Path | None = None) -> Tokenizer:
+    """"byte", a tokenizer.json path, or the `tokenizer` entry of a token-shard header; a relative
+    path in a header is relative to the header's folder (`base`)."""
     if isinstance(spec, dict):
         spec = spec["path"] if spec.get("kind") == "tokenizers" else spec.get("kind", "byte")
     if spec == "byte":
         return ByteTokenizer()
-    path = Path(spec)
+    path = Path(spec) if base is None else base / spec
     if not path.is_file():
         raise FileNotFoundError(f"tokenizer {spec!r}: not 'byte' and no such tokenizer.json")
     return HFTokenizer(path)
 
 
-def tokenizer_spec(tok: Tokenizer) -> dict:
-    """What a token-shard header records to reload `tok`."""
+def tokenizer_spec(tok: Tokenizer, relative_to: Path) -> dict:
+    """What a token-shard header in the folder `relative_to` records to reload `tok`. The path is
+    relative to that folder, so shards copied elsewhere together with their tokenizer still find it."""
     if isinstance(tok, ByteTokenizer):
         return {"kind": "byte"}
-    return {"kind": "tokenizers", "path": str(Path(tok.name).resolve())}
+    return {"kind": "tokenizers", "path": os.path.relpath(Path(tok.name).resolve(), Path(relative_to).resolve())}
 

@@ -212,12 +212,14 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
     optimizer = build_optimizer(model, t)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
-    step, tokens = 0, 0
+    step, tokens, elapsed = 0, 0, 0.0
+    decay_steps = t.lr_decay_steps or t.steps
     # Routed experts are plain row blocks per ep rank; the checkpoint stores them as one tensor.
     ep_shards = ExpertShards(frozenset(pm.expert_sharded), pm.mesh.sub("ep")) if pm.expert_sharded else None
     if run.resume_from is not None:
         state = load_checkpoint(run.resume_from, model, optimizer, expert_shards=ep_shards)
-        step, tokens = state["step"], state["tokens"]
+        step, tokens, elapsed = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
+        decay_steps = _schedule_length(t, state, console)
         sampler.load_state_dict(state["sampler"])
         if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
             truncate_metrics(run.path, step)
@@ -237,7 +239,8 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         nonlocal saved_step
         saved_step = step
         return checkpointer.save(step, model, optimizer, {
-            "step": step, "tokens": tokens, "sampler": sampler.state_dict(),
+            "step": step, "tokens": tokens, "sampler": sampler.state_dict(), "lr_decay_steps": decay_steps,
+            "elapsed_s": time.perf_counter() - clock0,
             "config": cfg.to_dict(), "layout": {"world_size": info.world_size, **cfg.to_dict()["parallel"]}})
 
     last_ckpt = run.resume_from
@@ -245,6 +248,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
     with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress:
         # Throughput counts the time of training iterations only, not evaluation or checkpoints.
         window_time, window_tokens = 0.0, 0
+        clock0 = time.perf_counter() - elapsed  # wall time of every attempt of this run, summed
         stop_at = min(t.steps, step + exit_after) if exit_after else t.steps
         if step == 0:
             # Where the validation curve starts (an untrained model sits near ln(vocab_size));
@@ -255,7 +259,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                 metrics.tensorboard.add_scalar("val_loss", initial_val_loss, 0)
         while step < stop_at and not stop.agreed(device):
             iter_t0 = time.perf_counter()
-            lr = lr_at(step, t)
+            lr = lr_at(step, t, decay_steps)
             set_lr(optimizer, lr)
             batch = sampler.next_batch(t.batch_size).to(device)
             step_t0 = time.perf_counter()
@@ -267,7 +271,8 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
             tokens += tokens_per_step
             window_tokens += tokens_per_step
             window_time += time.perf_counter() - iter_t0
-            record = {"loss": result.loss, "lr": lr, "tokens": tokens}
+            record = {"loss": result.loss, "lr": lr, "tokens": tokens,
+                      "elapsed_s": round(time.perf_counter() - clock0, 3)}
             if step % t.log_every == 0 or step == t.steps:
                 record.update(grad_norm=result.grad_norm, aux_loss=result.aux_loss,
                               tokens_per_s=window_tokens / window_time, step_time=step_time,
@@ -277,7 +282,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                 window_time, window_tokens = 0.0, 0
             if step % t.eval_every == 0 or step == t.steps:
                 record["val_loss"] = evaluate(pm, val_batches, autocast, device)
-            if len(record) > 3:
+            if len(record) > 4:
                 metrics.log(step, record)
             progress.update(step, record)
             last_ckpt = checkpointer.poll() or last_ckpt
@@ -295,6 +300,17 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         console(f"stopped by signal {signal.Signals(stopped).name} after step {step}; {saved}; "
                 f"rerun the same command to resume")
     return run.path
+
+
+def _schedule_length(t, state: dict, console) -> int:
+    """The lr schedule's length on resume: the checkpoint's, unless train.lr_decay_steps sets one."""
+    saved = state.get("lr_decay_steps")
+    if t.lr_decay_steps is not None or saved is None:
+        return t.lr_decay_steps or t.steps
+    if saved != t.steps:
+        console(f"lr schedule keeps the length it was started with ({saved} steps, now train.steps = "
+                f"{t.steps}); set train.lr_decay_steps to change it")
+    return saved
 
 
 def _checkpoint_step(ckpt: Path) -> int:

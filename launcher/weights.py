@@ -128,4 +128,4 @@ def checkpoint_tokenizer(ckpt: Path, cfg: Config) -> Tokenizer:
     if not header.is_file():
         raise FileNotFoundError(f"tokenizer: the run's token shards {header} are gone; pass --prompt-ids "
                                 f"instead of --prompt")
-    return load_tokenizer(json.loads(header.read_text())["tokenizer"])
+    return load_tokenizer(json.loads(header.read_text())["tokenizer"], header.parent)

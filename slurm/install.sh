@@ -7,7 +7,7 @@
 set -euo pipefail
 
 APT_PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server openmpi-bin libopenmpi-dev)
-PIP_PACKAGES=(mpi4py submitit)
+PIP_PACKAGES=(mpi4py)
 PYTHON="${PYTHON:-python3}"
 
 log="$(mktemp -t moetron-slurm-install.XXXXXX)"

@@ -148,7 +148,7 @@ $overrides
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 SlurmctldParameters=preempt_send_user_signal
-# Accounting through slurmdbd, so sacct (and submitit's polling) works.
+# Accounting through slurmdbd, so sacct works (moetron status reads finished jobs from it).
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$dbd_port

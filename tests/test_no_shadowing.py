@@ -84,10 +84,15 @@ def test_bench_script_starts_as_documented(script):
 def test_a_plain_wheel_holds_every_module_and_preset(tmp_path):
     """Without `__init__.py` the folders are still packaged: a built (not editable) wheel holds every
     source module and every preset and Slurm script under the `moetron.` namespace."""
+    import shutil
     import zipfile
 
+    # Built from a copy: setuptools writes build/ and *.egg-info/ beside the sources.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "dist", "runs", "*.egg-info",
+                                                               "__pycache__", ".pytest_cache"))
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(tmp_path / "dist"), str(ROOT)], capture_output=True, text=True,
+                           "--wheel-dir", str(tmp_path / "dist"), str(src)], capture_output=True, text=True,
                           timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("moetron-*.whl")

@@ -3,6 +3,8 @@ before spending any GPU; with `--measure`, the same FLOPs counted on real traini
 
 from __future__ import annotations
 
+import sys
+
 from moetron.launcher.commands.help import HelpFormatter
 
 # Counted and analytic FLOPs outside attention may differ by this much before `--measure` fails.
@@ -38,7 +40,7 @@ def measure(cfg, seq_len: int, batch: int, steps: int):
     from moetron.launcher.flop_counter import measure_flops, single_process_step
     from moetron.launcher.optim import build_optimizer
     from moetron.launcher.trainer import resolve_device, use_bf16
-    from moetron.model import build_model
+    from moetron.model.transformer import build_model
 
     device = resolve_device(cfg)
     bf16 = use_bf16(cfg, device)
@@ -100,7 +102,8 @@ def _print_tables(cfg, acct: dict, rows) -> None:
 
     from moetron.model.flops import human, summary_rows
 
-    console = Console()
+    # Piped into a file or `less`, rich would assume 80 columns and cut cells ("para…"); print whole.
+    console = Console(width=None if sys.stdout.isatty() else 1000)
     m, lay = cfg.model, acct["layout"]
     title = (f"{cfg.run_name}: L={m.n_layers} D={m.d_model} H={m.n_heads}/{m.kv_heads} "
              + (f"E={m.moe.num_experts} top-{m.moe.top_k}" if m.moe.enabled else "dense")

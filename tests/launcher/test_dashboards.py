@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from moetron.launcher.config import load_config
-from moetron.launcher.dashboards import custom_scalars_layout, encode_png, heatmap_rgb, load_ratios
+from moetron.launcher.dashboards import custom_scalars_layout, expert_load_figure, figure_png, load_ratios
 from moetron.launcher.mfu import MfuMeter, Peak, cpu_matmul_peak, device_peak, gpu_peak_tflops
 from moetron.launcher.trainer import train
 from moetron.model.config import ModelConfig, MoEConfig
@@ -68,7 +68,8 @@ def test_expert_load_image_histograms_text_and_layout(run):
     path, _ = run
     acc = events(path)
     image = acc.Images("moe/expert_load")[-1]
-    assert (image.height, image.width) == (2 * 96, 4 * 96)  # 2 MoE layers × 4 experts, 96-px cells
+    figure = expert_load_figure(np.ones((2, 4)), [0, 1], step=0)  # 2 MoE layers × 4 experts
+    assert (image.height, image.width) == figure_png(figure)[1:]
     for layer in (0, 1):
         hist = acc.Histograms(f"moe/expert_load/layer_{layer}")[-1].histogram_value
         assert list(hist.bucket_limit) == [0.5, 1.5, 2.5, 3.5]
@@ -130,17 +131,29 @@ def test_gpu_peak_table_and_override():
 def test_cpu_peak_is_measured_once_per_precision_and_cached(tmp_path):
     calls = []
 
-    def fake_measure(m, k, n, dtype):
+    def fake_measure(m, k, n, dtype):  # ~100 GFLOP/s, a little faster on larger products
         calls.append(dtype)
-        return 1e9 * (m * k * n) ** (1 / 3) / 1000
+        return 1e11 * (m * k * n) ** (1 / 3) / 2048
 
     first, cached = cpu_matmul_peak(torch.bfloat16, directory=tmp_path, measure=fake_measure)
-    assert not cached and len(calls) == 3 and first == pytest.approx(1e9 * 4096 ** (2 / 3) * 1024 ** (1 / 3) / 1000)
+    assert not cached and len(calls) == 3 and first == pytest.approx(1e11 * 4096 ** (2 / 3) * 1024 ** (1 / 3) / 2048)
     again, cached = cpu_matmul_peak(torch.bfloat16, directory=tmp_path, measure=fake_measure)
     assert cached and again == first and len(calls) == 3
     _, cached = cpu_matmul_peak(torch.float32, directory=tmp_path, measure=fake_measure)
     assert not cached and calls[-1] == torch.float32
     assert len(json.loads((tmp_path / "cpu_matmul_peak.json").read_text())) == 2
+
+
+def test_cpu_peak_of_an_emulated_dtype_takes_seconds_not_minutes(tmp_path):
+    """bf16 without AVX512-BF16/AMX runs at ~1 GFLOP/s: the smallest shape tells, larger ones are skipped."""
+    shapes = []
+
+    def slow_measure(m, k, n, dtype):
+        shapes.append((m, k, n))
+        return 1e9
+
+    peak, _ = cpu_matmul_peak(torch.bfloat16, directory=tmp_path, measure=slow_measure)
+    assert peak == 1e9 and shapes == [(4096, 256, 1024)]
 
 
 def test_meter_warns_when_counted_and_analytic_disagree():
@@ -161,18 +174,29 @@ def test_meter_warns_when_counted_and_analytic_disagree():
     assert meter.window(tokens=0, seconds=0.0) == {}
 
 
-def test_heatmap_colours_and_png():
-    ratios = load_ratios(np.array([[10, 10, 10, 10], [40, 0, 0, 0]]))
-    assert ratios.tolist() == [[1, 1, 1, 1], [4, 0, 0, 0]]
-    rgb = heatmap_rgb(ratios, width_px=16)  # 4-px cells
-    assert rgb.shape == (8, 16, 3) and rgb.dtype == np.uint8
-    assert (rgb[5, 0] == [253, 231, 37]).all() and (rgb[5, 9] == [68, 1, 84]).all()  # overloaded, idle
-    assert (rgb[0, 0] == [33, 145, 140]).all()  # balanced: the middle of the colour map
-    Image = pytest.importorskip("PIL.Image")
+def test_expert_load_heatmap_has_axes_scale_and_true_colours():
     import io
 
-    decoded = np.asarray(Image.open(io.BytesIO(encode_png(rgb))).convert("RGB"))
-    assert (decoded == rgb).all()
+    from matplotlib import colormaps
+    from PIL import Image
+
+    ratios = load_ratios(np.array([[10, 10, 10, 10], [40, 0, 0, 0]]))
+    assert ratios.tolist() == [[1, 1, 1, 1], [4, 0, 0, 0]]
+    fig = expert_load_figure(ratios, [1, 3], step=7)
+    ax, bar = fig.axes
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("expert", "MoE layer")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "3"]  # the model's layer numbers
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
+    assert "mean" in bar.get_ylabel() and bar.get_ylim() == (0.0, 2.0)
+    png, H, W = figure_png(fig)
+    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    assert rgb.shape == (H, W, 3)
+    # Each cell's centre, located through the axes' own transform, has the colour map's colour.
+    fig.canvas.draw()
+    for (row, col), ratio in (((0, 0), 1.0), ((1, 0), 2.0), ((1, 2), 0.0)):
+        x, y = ax.transData.transform((col, row))
+        want = np.array(colormaps["viridis"](ratio / 2.0)[:3]) * 255
+        assert np.abs(rgb[int(round(H - y)), int(round(x))] - want).max() <= 3, (row, col)
     assert "MoE routing" not in custom_scalars_layout(moe=False)
 
 

@@ -31,6 +31,17 @@ def test_stdlib_corpus_is_the_interpreters_source_without_tests():
     assert names == sorted(names)
 
 
+def test_the_corpus_walk_skips_third_party_and_test_folders(tmp_path):
+    from moetron.launcher.data import _stdlib_sources
+
+    for rel in ("os.py", "json/decoder.py", "site-packages/torch/x.py", "dist-packages/y.py", "test/t.py",
+                "idlelib/idle_test/t.py", "json/tests/t.py", "lib2to3/site-packages.py", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    found = sorted(str(p) for p in _stdlib_sources(tmp_path))
+    assert found == ["json/decoder.py", "lib2to3/site-packages.py", "os.py"]
+
+
 def test_split_is_deterministic_and_disjoint():
     docs = [(f"doc{i}", f"text {i} " * 10) for i in range(400)]
     tok = ByteTokenizer()
@@ -105,6 +116,18 @@ def test_prepare_with_a_trained_bpe_and_reusing_its_tokenizer_json(tmp_path):
     assert proc.returncode == 0, proc.stderr
     again = load_token_data(str(tmp_path / "again"))
     assert np.array_equal(np.concatenate(again.train + again.val), np.concatenate(data.train + data.val))
+
+    # Shards and their tokenizer copied to another machine's file system still load: the header
+    # names the tokenizer relative to itself.
+    header = json.loads((tmp_path / "bpe.json").read_text())
+    assert header["tokenizer"]["path"] == "bpe.tokenizer.json"
+    moved = tmp_path / "cluster" / "corpora"
+    moved.mkdir(parents=True)
+    for f in tmp_path.glob("bpe.*"):
+        f.rename(moved / f.name)
+    copied = load_token_data(str(moved / "bpe"))
+    assert np.array_equal(np.concatenate(copied.train + copied.val), np.concatenate(data.train + data.val))
+    assert copied.tokenizer.decode(copied.tokenizer.encode(text[:100])) == text[:100]
 
 
 def test_prepare_refuses_missing_input(tmp_path):

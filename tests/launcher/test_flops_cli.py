@@ -87,6 +87,21 @@ def test_table_and_measure(capsys):
         assert word in out
 
 
+def test_tables_are_whole_when_piped():
+    """Through a pipe (no terminal, COLUMNS unset) every cell prints whole, none cut with '…'."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.run([sys.executable, "-m", "moetron", "flops", str(TINY), *SMALL], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout
+    for word in ("params_active", "FLOP/token", "causal FLOP/token", "kv_cache_bytes"):
+        assert word in proc.stdout
+
+
 def test_measure_fails_when_the_accounting_is_off(capsys, monkeypatch):
     real = flops.flops_by_component
 

@@ -125,3 +125,27 @@ def test_help_explains_itself(command):
     proc = subprocess.run([sys.executable, "-m", "moetron", *command, "--help"], capture_output=True, text=True,
                           env={**os.environ, "COLUMNS": "120"})
     assert proc.returncode == 0 and "usage: moetron" in proc.stdout and len(proc.stdout) > 200
+    text = " ".join(proc.stdout.split())  # argparse wraps lines; judge the words
+    assert "%%" not in text and "(default: None)" not in text
+    assert text.count("(default:") == text.count("(default: ") and "(default: (default" not in text
+    for chunk in text.split("(default:")[1:]:
+        assert "(default:" not in chunk.split(")")[0]
+
+
+def test_extending_a_finished_run_keeps_its_learning_rates(tmp_run_dir):
+    """Megatron's --lr-decay-iters: raising train.steps on resume continues at min_lr instead of
+    re-bending the schedule under steps already taken; train.lr_decay_steps sets a new length."""
+    base = ("train.name=ext", "train.log_every=1", "train.lr_schedule=cosine", "train.lr=1e-3", "train.min_lr=1e-4")
+    first = records(train(small(tmp_run_dir, "train.steps=6", *base), console=lambda *_: None))
+    said = []
+    longer = records(train(small(tmp_run_dir, "train.steps=9", *base), console=said.append))
+    assert longer[:6] == first  # what happened stays as it was
+    assert [r["lr"] for r in longer[6:]] == [1e-4] * 3  # the schedule ended at step 6: min_lr after
+    assert any("keeps the length it was started with (6 steps" in line for line in said)
+    # A new length, asked for: steps 10..12 decay along a schedule of 20 steps.
+    more = records(train(small(tmp_run_dir, "train.steps=12", "train.lr_decay_steps=20", *base),
+                         console=lambda *_: None))
+    assert all(1e-4 < r["lr"] < 1e-3 for r in more[9:])
+    # Wall time: elapsed_s grows step by step and carries over the restarts (never starts at 0 again).
+    elapsed = [r["elapsed_s"] for r in more]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
