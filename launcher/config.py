@@ -71,6 +71,8 @@ class TrainConfig:
     eps: float = 1e-8
     # Clip the global gradient norm to this; 0 disables clipping.
     grad_clip: float = 1.0
+    # A step with a non-finite loss or grad norm is skipped; this many in a row stop the run.
+    max_skipped_steps: int = 5
     # "auto": bf16 autocast on CUDA and on CPUs with native bf16 matmuls (AMX/AVX512-BF16), else fp32.
     precision: Literal["auto", "fp32", "bf16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -88,7 +90,8 @@ class TrainConfig:
 
     def problems(self) -> list[Problem]:
         out: list[Problem] = []
-        for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches"):
+        for k in ("steps", "batch_size", "seq_len", "grad_accum", "log_every", "eval_every", "eval_batches",
+                  "max_skipped_steps"):
             if getattr(self, k) < 1:
                 out.append((k, getattr(self, k), "must be >= 1"))
         for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps", "peak_tflops"):

@@ -27,8 +27,9 @@ class MetricsLogger:
         """Append `values` (with `step`) to metrics.jsonl and each number to TensorBoard."""
         if not self.enabled:
             return
-        record = {"step": step, **values}
-        self._file.write(json.dumps(record) + "\n")
+        # JSON has no NaN or Infinity: a non-finite number is written as null, so every line parses.
+        record = {"step": step, **{k: _json_number(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         for key, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -47,3 +48,7 @@ class MetricsLogger:
         if self.enabled:
             self._tb.close()
             self._file.close()
+
+
+def _json_number(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value

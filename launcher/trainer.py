@@ -23,6 +23,8 @@ from moetron.launcher.config import Config, ConfigError, validate_launch
 from moetron.launcher.dashboards import start_run_dashboards
 from moetron.launcher.data import WindowSampler, load_token_data, validation_batches
 from moetron.launcher.metrics import MetricsLogger
+from moetron.launcher.nonfinite import (NonFiniteError, SkipGuard, all_finite, diagnose, is_finite,
+                                        optimizer_tensors, stop_message)
 from moetron.launcher.optim import build_optimizer, lr_at, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
@@ -100,6 +102,20 @@ class StepResult:
     aux_loss: float
     grad_norm: float
     moe: dict
+    # Non-finite loss or grad norm: the optimizer did not step (launcher/nonfinite.py); why.
+    skipped: bool = False
+    reason: str = ""
+
+
+class StepHooks:
+    """Calls into the loop around each step, for debugging and fault injection (tests poison one
+    rank's batch or gradients through them). `step` is the 1-based number of the step running."""
+
+    def before_step(self, step: int, pm: ParallelModel) -> None:
+        """Before the forward passes of `step`."""
+
+    def after_backward(self, step: int, pm: ParallelModel) -> None:
+        """After the backward passes of `step`, before the gradients are reduced, clipped and applied."""
 
 
 def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -122,14 +138,20 @@ def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
-               grad_accum: int, grad_clip: float, autocast) -> StepResult:
-    """One optimizer step on the global batch; this rank computes its data-parallel slice."""
+               grad_accum: int, grad_clip: float, autocast, after_backward=None) -> StepResult:
+    """One optimizer step on the global batch; this rank computes its data-parallel slice. A step
+    whose global loss or gradient norm is not finite leaves weights and optimizer state as they were."""
     losses = pm.forward_backward(pm.local_batch(batch_BS1), grad_accum=grad_accum, autocast=autocast)
-    grad_norm = pm.clip_grad_norm_(grad_clip if grad_clip > 0 else float("inf"))
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    if after_backward is not None:
+        after_backward()
+    grad_norm = float(pm.clip_grad_norm_(grad_clip if grad_clip > 0 else float("inf")))
     ce, aux = pm.global_losses(losses.ce, losses.aux)
-    return StepResult(ce, aux, float(grad_norm), losses.moe)
+    skipped = not is_finite(ce, grad_norm)
+    reason = diagnose(ce, grad_norm, losses.moe, pm.named_parameters()) if skipped else ""
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(ce, aux, grad_norm, losses.moe, skipped, reason)
 
 
 def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -> float:
@@ -149,18 +171,19 @@ def moe_summary(moe: dict) -> dict[str, float]:
     }
 
 
-def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print) -> Path:
+def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print,
+          hooks: StepHooks | None = None) -> Path:
     """Train on this process, one rank of a launch (torchrun, srun, mpirun) or the only one;
     returns the run folder. `exit_after` stops (with a checkpoint) after that many steps of this
-    invocation, as a preemption would."""
+    invocation, as a preemption would. Raises NonFiniteError when training diverges."""
     info = detect_rank()
     validate_launch(cfg, info.world_size)  # before any process group starts
     if torch.distributed.is_initialized():  # a caller that already joined the group keeps it
-        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg))
+        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg), hooks)
     device = init_distributed(info)
     try:
         return _train(cfg, resume, exit_after, console if info.is_main else _quiet, info,
-                      device if info.world_size > 1 else resolve_device(cfg))
+                      device if info.world_size > 1 else resolve_device(cfg), hooks)
     finally:
         shutdown()
 
@@ -184,7 +207,8 @@ def _on_rank0(fn):
     return value
 
 
-def _train(cfg: Config, resume: str, exit_after: int | None, console, info, device: torch.device) -> Path:
+def _train(cfg: Config, resume: str, exit_after: int | None, console, info, device: torch.device,
+           hooks: StepHooks | None) -> Path:
     t = cfg.train
     run = _on_rank0(lambda: open_run_dir(cfg, resume))  # one decision, one folder, for all ranks
     if info.world_size > 1:
@@ -213,6 +237,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
     step, tokens, elapsed = 0, 0, 0.0
+    guard = SkipGuard(t.max_skipped_steps)
     decay_steps = t.lr_decay_steps or t.steps
     # Routed experts are plain row blocks per ep rank; the checkpoint stores them as one tensor.
     ep_shards = ExpertShards(frozenset(pm.expert_sharded), pm.mesh.sub("ep")) if pm.expert_sharded else None
@@ -220,6 +245,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         state = load_checkpoint(run.resume_from, model, optimizer, expert_shards=ep_shards)
         step, tokens, elapsed = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
         decay_steps = _schedule_length(t, state, console)
+        guard.total = state.get("skipped_steps", 0)
         sampler.load_state_dict(state["sampler"])
         if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
             truncate_metrics(run.path, step)
@@ -238,13 +264,17 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         """The finished checkpoint, or None while an async one is being written."""
         nonlocal saved_step
         saved_step = step
+        if not all_finite([*model.parameters(), *optimizer_tensors(optimizer)], device):
+            raise NonFiniteError(f"step {step}: weights or optimizer state are not finite; no checkpoint "
+                                 f"written, the last good one is {last_ckpt or 'none'}")
         return checkpointer.save(step, model, optimizer, {
             "step": step, "tokens": tokens, "sampler": sampler.state_dict(), "lr_decay_steps": decay_steps,
+            "skipped_steps": guard.total,
             "elapsed_s": time.perf_counter() - clock0,
             "config": cfg.to_dict(), "layout": {"world_size": info.world_size, **cfg.to_dict()["parallel"]}})
 
     last_ckpt = run.resume_from
-    stopped = None
+    stopped = diverged = None
     with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress:
         # Throughput counts the time of training iterations only, not evaluation or checkpoints.
         window_time, window_tokens = 0.0, 0
@@ -259,13 +289,17 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                 metrics.tensorboard.add_scalar("val_loss", initial_val_loss, 0)
         while step < stop_at and not stop.agreed(device):
             iter_t0 = time.perf_counter()
-            lr = lr_at(step, t, decay_steps)
+            lr = lr_at(step - guard.total, t, decay_steps)  # skipped steps do not move the schedule
             set_lr(optimizer, lr)
             batch = sampler.next_batch(t.batch_size).to(device)
             step_t0 = time.perf_counter()
+            if hooks is not None:
+                hooks.before_step(step + 1, pm)
+            after_backward = (lambda: hooks.after_backward(step + 1, pm)) if hooks is not None else None
             with meter.step(model, tokens_per_step):
                 result = train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
-                                    autocast=autocast)
+                                    autocast=autocast, after_backward=after_backward)
+            guard.record(result.skipped, result.reason)
             step_time = time.perf_counter() - step_t0
             step += 1
             tokens += tokens_per_step
@@ -273,8 +307,10 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
             window_time += time.perf_counter() - iter_t0
             record = {"loss": result.loss, "lr": lr, "tokens": tokens,
                       "elapsed_s": round(time.perf_counter() - clock0, 3)}
-            if step % t.log_every == 0 or step == t.steps:
-                record.update(grad_norm=result.grad_norm, aux_loss=result.aux_loss,
+            if result.skipped:
+                console(f"step {step}: skipped, not finite ({result.reason}); weights unchanged")
+            if step % t.log_every == 0 or step == t.steps or result.skipped:
+                record.update(grad_norm=result.grad_norm, skipped_steps=guard.total, aux_loss=result.aux_loss,
                               tokens_per_s=window_tokens / window_time, step_time=step_time,
                               **moe_summary(result.moe))
                 record.update(meter.window(window_tokens, window_time))
@@ -286,15 +322,20 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                 metrics.log(step, record)
             progress.update(step, record)
             last_ckpt = checkpointer.poll() or last_ckpt
-            if t.checkpoint.every and step % t.checkpoint.every == 0:
+            if guard.exhausted():
+                diverged = stop_message(step, guard.last_reason, guard.limit, last_ckpt)
+                break
+            if t.checkpoint.every and step % t.checkpoint.every == 0 and not result.skipped:
                 last_ckpt = checkpoint() or last_ckpt
         stopped = stop.signum
         # Before a fresh run's first step there is nothing to save, and a checkpoint of an optimizer
         # that never stepped would not restore as one (DCP initializes its state by stepping it).
-        if saved_step != step and step > 0:
+        if saved_step != step and step > 0 and diverged is None:
             last_ckpt = checkpoint() or last_ckpt
         last_ckpt = checkpointer.wait() or last_ckpt
     metrics.close()
+    if diverged is not None:
+        raise NonFiniteError(diverged)
     if stopped is not None:
         saved = f"checkpoint {last_ckpt}" if last_ckpt else "nothing to save before the first step"
         console(f"stopped by signal {signal.Signals(stopped).name} after step {step}; {saved}; "

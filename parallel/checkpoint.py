@@ -348,20 +348,22 @@ def load_checkpoint(path: Path, model: nn.Module | Sequence[nn.Module],
     return json.loads(state_file.read_text()) if state_file.is_file() else {}
 
 
-def consolidated_model_state(path: Path) -> dict[str, torch.Tensor]:
+def consolidated_model_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
     """The whole model of a checkpoint as {parameter name: full tensor} on the CPU, in the saved
     dtypes, read on this process alone from however many shards the save wrote (for export,
-    conversion and inference). Verified against the manifest like a resume."""
+    conversion and inference). Verified against the manifest like a resume. `part="optim"`
+    gives the optimizer's tensors instead, flattened the same way ({"state.<param>.exp_avg": …})."""
     path = Path(path)
     reader = _open_verified(path)
     metadata = reader.read_metadata()
-    entries = {k: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    prefix = part + "."
+    entries = {k: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     if not entries:
-        raise CheckpointError(f"{path}: holds no model tensors")
-    model = {k[len("model."):]: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()
+        raise CheckpointError(f"{path}: holds no {part} tensors")
+    model = {k[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()
              if hasattr(md, "properties")}
     try:
-        dcp_call(dcp.load, {"model": model}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+        dcp_call(dcp.load, {part: model}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
     except CheckpointException as e:
         raise _load_error(path, e) from None
     return model

@@ -12,8 +12,9 @@ def user_errors() -> tuple[type[Exception], ...]:
     """Problems with what the user asked for: reported as one line, exit status 2. Imported only
     when something failed, so quick commands (status, logs, --help) never load torch."""
     from moetron.launcher.config import ConfigError
+    from moetron.launcher.nonfinite import NonFiniteError
     from moetron.launcher.run_dir import RunError
     from moetron.launcher.submit import SlurmError
     from moetron.parallel.checkpoint_io import CheckpointError
 
-    return (ConfigError, RunError, CheckpointError, SlurmError, FileNotFoundError)
+    return (ConfigError, RunError, CheckpointError, SlurmError, NonFiniteError, FileNotFoundError)

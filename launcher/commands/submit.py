@@ -54,22 +54,26 @@ def run(args) -> int:
         write_submission,
     )
 
-    cfg = load_config(args.config, args.overrides)
+    # One rank per GPU: parallel.dp, where the config leaves it out, fills the allocation.
+    flag_ranks = args.nodes * args.gpus_per_node if args.nodes and args.gpus_per_node else None
+    cfg = load_config(args.config, args.overrides, world_size=flag_ranks)
     slurm_cfg = apply_flags(
         cfg.slurm, nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
         partition=args.partition, time=args.time, account=args.account, qos=args.qos,
         constraint=args.constraint, exclusive=args.exclusive, requeue_limit=args.requeue_limit,
         signal_seconds=args.signal_seconds)
-    if slurm_cfg.gpus_per_node > 0:  # one rank per GPU: parallel.dp, if not given, fills the allocation
+    if flag_ranks is None and slurm_cfg.gpus_per_node > 0:  # the allocation came from the config's slurm:
         cfg = load_config(args.config, args.overrides, world_size=slurm_cfg.nodes * slurm_cfg.gpus_per_node)
     sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
     # A dry run works away from a cluster too: where no controller answers it only warns.
     try:
-        check_partition(slurm_cfg.partition, partitions())
+        known = partitions()
     except SlurmError as e:
         if not args.dry_run:
             raise
         print(f"moetron submit: warning: partition not checked ({e})", file=sys.stderr)
+    else:
+        check_partition(slurm_cfg.partition, known)
     if args.dry_run:
         sys.stdout.write(sub.script)
         print(f"moetron submit: dry run, nothing written or submitted; the script would go to {sub.script_path}",

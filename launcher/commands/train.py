@@ -36,6 +36,7 @@ def run(args) -> int:
         return 0
     print(f"run folder:   {run_path}")
     print(f"metrics:      {run_path / 'metrics.jsonl'}")
-    print(f"tensorboard:  tensorboard --logdir {run_path / 'tensorboard'}")
+    # The runs folder, not this run's: TensorBoard then shows every run of it side by side.
+    print(f"tensorboard:  tensorboard --logdir {run_path.parent}")
     print(f"checkpoints:  {run_path / 'checkpoints'}")
     return 0

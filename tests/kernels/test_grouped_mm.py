@@ -139,9 +139,11 @@ def test_import_and_torch_path_without_triton():
     """Nothing imports triton until a Triton backend runs: the package works where it is absent."""
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import torch, moetron.kernels as k\n"
-        "y = k.grouped_mm(torch.randn(5, 3), torch.randn(2, 3, 4), torch.tensor([2, 4], dtype=torch.int32))\n"
-        "o = k.flash_attention(torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))\n"
+        "import torch\n"
+        "from moetron.kernels.flash_attention import flash_attention\n"
+        "from moetron.kernels.grouped_mm import grouped_mm\n"
+        "y = grouped_mm(torch.randn(5, 3), torch.randn(2, 3, 4), torch.tensor([2, 4], dtype=torch.int32))\n"
+        "o = flash_attention(torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8))\n"
         "assert y.shape == (5, 4) and o.shape == (1, 2, 5, 8)\n"
         "assert 'moetron.kernels.grouped_mm_triton' not in sys.modules\n"
     )

@@ -89,6 +89,23 @@ def test_bad_time_is_refused(no_cluster, capsys):
     assert "--time 'soon' is not a Slurm time" in one_line(capsys.readouterr().err)
 
 
+def test_dry_run_without_a_controller_renders_and_warns(no_cluster, capsys):
+    """A laptop or a stopped cluster: sinfo is installed but fails. The script is still printed;
+    the partition is reported as unchecked, and nothing is written."""
+    assert submit("--nodes", "1", "--gpus-per-node", "0", "--partition", "gpu", "--dry-run") == 0
+    out = capsys.readouterr()
+    assert out.out.startswith("#!/bin/bash") and "#SBATCH --partition=gpu" in out.out
+    assert "warning: partition not checked" in out.err and "nothing written or submitted" in out.err
+    assert not Path("runs").exists()
+
+
+def test_dp_left_out_fills_the_allocation(no_cluster, capsys):
+    """One rank per GPU: 2 nodes × 4 GPUs with tp 2 is dp 4, as torchrun would infer at launch."""
+    assert submit("parallel.tp=2", "parallel.ep=2", "--nodes", "2", "--gpus-per-node", "4", "--dry-run") == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --ntasks-per-node=4" in out and "#SBATCH --nodes=2" in out
+
+
 # --- a requeued run ---------------------------------------------------------------------------------
 
 

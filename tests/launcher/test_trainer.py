@@ -149,3 +149,34 @@ def test_extending_a_finished_run_keeps_its_learning_rates(tmp_run_dir):
     # Wall time: elapsed_s grows step by step and carries over the restarts (never starts at 0 again).
     elapsed = [r["elapsed_s"] for r in more]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0
+
+
+def test_a_diverging_run_skips_then_stops_with_one_line_and_no_bad_checkpoint(tmp_run_dir):
+    """train.lr=1e6 turns the loss non-finite within a few steps: those steps are skipped (no update,
+    counted), three in a row stop the run with one line and status 2, every checkpoint left holds
+    finite weights, and metrics.jsonl stays strict JSON (null, never a bare NaN)."""
+    from moetron.parallel.checkpoint import consolidated_model_state
+
+    args = [sys.executable, "-m", "moetron", "train", str(TINY), *SMALL, f"train.run_dir={tmp_run_dir}",
+            "train.name=boom", "train.steps=40", "train.lr=1e6", "train.warmup_steps=0", "train.grad_clip=0",
+            "train.log_every=1", "train.checkpoint.every=1", "train.checkpoint.keep=100", "train.max_skipped_steps=3",
+            "train.precision=fp32"]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "3 steps in a row were non-finite" in last_line and "the last good checkpoint is" in last_line
+    assert "Traceback" not in proc.stderr
+    lines = (tmp_run_dir / "boom" / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for line in lines]
+    skipped = [r for r in recs if r["loss"] is None or r["grad_norm"] is None]
+    assert len(skipped) >= 3 and recs[-1]["skipped_steps"] >= 3
+    assert recs[-1]["step"] < 40
+    # Every checkpoint holds finite weights, and the newest one is the step named in the line.
+    ckpts = sorted((tmp_run_dir / "boom" / "checkpoints").glob("step-*"))
+    assert ckpts and str(ckpts[-1]) in last_line
+    for ckpt in ckpts:
+        state = consolidated_model_state(ckpt)
+        assert all(t.isfinite().all() for t in state.values() if t.is_floating_point()), ckpt
+    # No checkpoint was written for a skipped step.
+    good = int(ckpts[-1].name.split("-")[1])
+    assert all(r["loss"] is not None for r in recs if r["step"] <= good)

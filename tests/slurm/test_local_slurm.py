@@ -19,7 +19,7 @@ from moetron.launcher.sbatch import render_sbatch
 
 pytestmark = [pytest.mark.slurm]
 
-SLURM_DIR = Path(str(resources.files("moetron.slurm")))
+SLURM_DIR = Path(str(resources.files("moetron.slurm") / "start.sh")).parent  # the installed slurm/ folder
 
 
 def run(argv, env, timeout=60, check=True) -> subprocess.CompletedProcess:
