@@ -23,8 +23,15 @@ from moetron.launcher.config import Config, ConfigError, validate_launch
 from moetron.launcher.dashboards import start_run_dashboards
 from moetron.launcher.data import WindowSampler, load_token_data, validation_batches
 from moetron.launcher.metrics import MetricsLogger
-from moetron.launcher.nonfinite import (NonFiniteError, SkipGuard, all_finite, diagnose, is_finite,
-                                        optimizer_tensors, stop_message)
+from moetron.launcher.nonfinite import (
+    NonFiniteError,
+    SkipGuard,
+    all_finite,
+    diagnose,
+    is_finite,
+    optimizer_tensors,
+    stop_message,
+)
 from moetron.launcher.optim import build_optimizer, lr_at, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics

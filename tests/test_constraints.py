@@ -1,9 +1,9 @@
 """constraints.txt, which `make test` and CI install with, pins every dependency pyproject.toml
 declares (core, dev and oracles) to a version inside the declared range."""
 
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
