@@ -37,6 +37,7 @@ from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model.transformer import Decoder, build_model
 from moetron.parallel.checkpoint import Checkpointer, ExpertShards, load_checkpoint
+from moetron.parallel.expert_bias import clear_expert_counts, update_expert_biases
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
 
@@ -175,6 +176,9 @@ def moe_summary(moe: dict) -> dict[str, float]:
         "moe_dropped_fraction": sum(float(s.dropped_fraction) for s in moe.values()) / n,
         "moe_router_entropy": sum(float(s.entropy) for s in moe.values()) / n,
         "moe_z_loss": sum(float(s.z_loss) for s in moe.values()) / n,
+        # MaxVio (Wang et al. 2024): max load / mean load − 1 of the last micro-batch, layer-averaged.
+        "moe_max_vio": sum(float(s.counts_E.max() / s.counts_E.float().mean().clamp_min(1e-9)) - 1
+                           for s in moe.values()) / n,
     }
 
 
@@ -307,6 +311,11 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                 result = train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
                                     autocast=autocast, after_backward=after_backward)
             guard.record(result.skipped, result.reason)
+            if cfg.model.moe.bias_update_rate > 0:  # aux-loss-free balancing, after the optimizer step
+                if result.skipped:
+                    clear_expert_counts(pm.modules)
+                else:
+                    update_expert_biases(pm.modules, pm.mesh, cfg.model.n_layers, cfg.model.moe.num_experts, device)
             step_time = time.perf_counter() - step_t0
             step += 1
             tokens += tokens_per_step

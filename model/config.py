@@ -26,9 +26,24 @@ class MoEConfig:
     # null means dropless: every routed token is computed.
     capacity_factor: Optional[float] = None
     min_capacity: int = 0
-    # "softmax": the raw router probability weights each expert (Switch Transformer);
-    # "renormalize": the kept top-k probabilities are rescaled to sum to one (Mixtral, GShard top-2).
+    # How router logits become scores: "softmax" over the experts (Switch, Mixtral) or an
+    # independent "sigmoid" per expert (DeepSeek-V3, GLM-4.5).
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    # "softmax": the raw score weights each expert (Switch Transformer);
+    # "renormalize": the kept top-k scores are rescaled to sum to one (Mixtral, GShard top-2, DeepSeek-V3).
     weighting: Literal["softmax", "renormalize"] = "renormalize"
+    # Combine weights are multiplied by this (DeepSeek-V3's routed scaling factor, 2.5 there).
+    route_scale: float = 1.0
+    # Aux-loss-free balancing (Wang et al. 2024; DeepSeek-V3 §2.1.2): a per-expert bias added to
+    # the scores for choosing experts only, moved after each optimizer step by this rate ·
+    # sign(mean load − expert load), loads counted over the global batch. 0 disables it.
+    bias_update_rate: float = 0.0
+    # Group-limited routing: experts split into num_groups equal groups; each token keeps its
+    # topk_groups best groups (scored by the sum of their top top_k/topk_groups scores, as
+    # megatron-core does; DeepSeek-V3's top-2 of 8/4) and picks its top_k experts inside them.
+    # With one group per EP rank a token's routes reach at most topk_groups ranks. 0: off.
+    num_groups: int = 0
+    topk_groups: int = 0
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
     # Multiplicative uniform noise (1 ± jitter) on the router input while training (Switch).
@@ -57,11 +72,23 @@ class MoEConfig:
                 out.append(("capacity_factor", self.capacity_factor, "must be > 0, or null for dropless"))
             if self.every < 1:
                 out.append(("every", self.every, "must be >= 1"))
+            if self.num_groups or self.topk_groups:
+                if self.num_groups < 1 or self.num_experts % self.num_groups:
+                    out.append(("num_groups", self.num_groups,
+                                f"must divide num_experts ({self.num_experts}) when topk_groups is set"))
+                elif not 1 <= self.topk_groups <= self.num_groups:
+                    out.append(("topk_groups", self.topk_groups, f"must be in 1..num_groups ({self.num_groups})"))
+                elif not self.topk_groups <= self.top_k <= self.topk_groups * (self.num_experts // self.num_groups):
+                    out.append(("top_k", self.top_k,
+                                f"must be in topk_groups ({self.topk_groups})..the experts of the kept groups "
+                                f"({self.topk_groups * (self.num_experts // self.num_groups)})"))
             if self.weighting == "renormalize" and self.top_k == 1:
                 # Renormalizing one probability makes every weight 1.0 and starves the router of gradient.
                 out.append(("weighting", self.weighting, "top_k=1 needs weighting=softmax (Switch)"))
+        if self.route_scale <= 0:
+            out.append(("route_scale", self.route_scale, "must be > 0"))
         for name in ("aux_loss_coef", "z_loss_coef", "jitter", "min_capacity", "d_expert", "shared_expert_d_ff",
-                     "first_dense_layers"):
+                     "first_dense_layers", "bias_update_rate", "num_groups", "topk_groups"):
             if getattr(self, name) < 0:
                 out.append((name, getattr(self, name), "must be >= 0"))
         return out

@@ -1,12 +1,19 @@
 """Route: router logits → top-k experts per token, their weights, capacity drops and aux losses.
 
-Legend: T tokens, D model dim, E experts, K top-k choices (K ≤ E), A = K·T routed assignments.
+Legend: T tokens, D model dim, E experts, K top-k choices (K ≤ E), A = K·T routed assignments,
+G expert groups.
+
+Scores are softmax(logits) (Switch, Mixtral) or sigmoid(logits) (DeepSeek-V3). Experts are chosen
+by score + expert_bias_E (aux-loss-free balancing; the bias never reaches the combine weights or
+the gradient), optionally only inside each token's best `topk_groups` of `num_groups` groups.
 
 Capacity follows DeepSpeed/GShard: C = max(ceil(K·T/E · capacity_factor), min_capacity). Within an
 expert, all first choices take their places before any second choice, each in token order; a
 route past place C is dropped and its token rides the residual. Weights are taken after drops:
 "softmax" keeps the raw router probability (Switch), "renormalize" rescales the surviving routes
-of a token to sum to one (Mixtral; GShard top-2).
+of a token to sum to one (Mixtral; GShard top-2), and both are multiplied by `route_scale`.
+The expert choice, weights and group rule equal megatron-core's `topk_routing_with_score_function`
+(tests/model/test_router.py), whose softmax path ignores a bias; here it applies to both scores.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ class Routing:
     expert_TK: torch.Tensor  # int64 expert id of each choice, best first
     weight_TK: torch.Tensor  # combine weight, 0 where dropped
     kept_TK: torch.Tensor  # bool
-    probs_TE: torch.Tensor  # softmax of the router logits, fp32 (fp64 for fp64 inputs)
+    probs_TE: torch.Tensor  # scores (softmax, or sigmoid normalized per token) of the logits, fp32 (fp64 for fp64 inputs)
     aux_loss: torch.Tensor  # scalar, already scaled by aux_loss_coef
     z_loss: torch.Tensor  # scalar, already scaled by z_loss_coef
     counts_E: torch.Tensor  # routes each expert received, before capacity drops
@@ -62,41 +69,82 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
     return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
 
 
+def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """`choice_TE` with every expert outside each token's `topk_groups` best groups set to -inf; a
+    group scores the sum of its best top_k // topk_groups experts (megatron-core's rule)."""
+    T, E = choice_TE.shape
+    group_TG = choice_TE.view(T, num_groups, E // num_groups).topk(top_k // topk_groups, dim=-1).values.sum(-1)
+    kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
+        1, group_TG.topk(topk_groups, dim=-1, sorted=False).indices, True)
+    return choice_TE.masked_fill(~kept_TG.repeat_interleave(E // num_groups, dim=1), float("-inf"))
+
+
+def updated_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """Wang et al. 2024's step: each bias moves by `rate` toward balance, bias + rate · sign(mean − load)."""
+    load_E = load_E.to(bias_E.dtype)
+    return bias_E + rate * torch.sign(load_E.mean() - load_E)
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, keeping router logits small."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
 
 
 class Router(nn.Module):
-    """Linear gate D → E, softmax in fp32, top-k, capacity."""
+    """Linear gate D → E, scores in fp32, biased (group-limited) top-k, capacity.
+
+    With `bias_update_rate` > 0 it holds `expert_bias_E`, a persistent buffer, not a parameter
+    (checkpointed and resharded, never in the optimizer), and `routed_E`, the routes per expert of
+    each training forward since the last bias update (one entry per micro-batch, so a pipeline can
+    drop the entries of its shape-inference passes); the trainer sums them over the global batch
+    and calls `update_bias`.
+    """
 
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
         self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.routed_E: list[torch.Tensor] = []
+        if cfg.bias_update_rate > 0:
+            self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias_E = None
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
         cfg = self.cfg
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        # Routing decisions are precision-sensitive: logits and softmax in fp32 (as in Switch) or
+        # Routing decisions are precision-sensitive: logits and scores in fp32 (as in Switch) or
         # wider, so a float64 layer stays float64 end to end (gradcheck).
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
         logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
-        probs_TE = logits_TE.softmax(dim=-1)
-        top_probs_TK, expert_TK = torch.topk(probs_TE, cfg.top_k, dim=-1)
+        scores_TE = logits_TE.softmax(dim=-1) if cfg.score == "softmax" else logits_TE.sigmoid()
+        choice_TE = scores_TE.detach()
+        if self.expert_bias_E is not None:
+            choice_TE = choice_TE + self.expert_bias_E.to(dtype)
+        if cfg.num_groups:
+            choice_TE = group_limited(choice_TE, cfg.top_k, cfg.num_groups, cfg.topk_groups)
+        expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+        top_scores_TK = scores_TE.gather(1, expert_TK)
 
         counts_E = torch.bincount(expert_TK.reshape(-1), minlength=cfg.num_experts)
+        if self.training and self.expert_bias_E is not None and not x_TD.is_meta:
+            self.routed_E.append(counts_E.detach())
         capacity = expert_capacity(x_TD.shape[0], cfg)
         if capacity is None:
             kept_TK = torch.ones_like(expert_TK, dtype=torch.bool)
         else:
             kept_TK = rank_within_expert(expert_TK, cfg.num_experts) < capacity
 
-        weight_TK = top_probs_TK * kept_TK
+        weight_TK = top_scores_TK * kept_TK
         if cfg.weighting == "renormalize":
             weight_TK = weight_TK / weight_TK.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(weight_TK.dtype).eps)
+        if cfg.route_scale != 1.0:
+            weight_TK = weight_TK * cfg.route_scale
 
+        # The balance loss and entropy read a distribution over experts: sigmoid scores are
+        # normalized per token for them (megatron-core's compute_routing_scores_for_aux_loss).
+        probs_TE = scores_TE if cfg.score == "softmax" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
         zero = logits_TE.new_zeros(())
         aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k) if cfg.aux_loss_coef else zero
         z = cfg.z_loss_coef * router_z_loss(logits_TE) if cfg.z_loss_coef else zero
@@ -105,5 +153,21 @@ class Router(nn.Module):
             dropped = 1.0 - kept_TK.float().mean()
         return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy)
 
+    @property
+    def tokens_per_expert_E(self) -> torch.Tensor:
+        """Routes per expert chosen by this router's training forwards since the last bias update."""
+        if not self.routed_E:
+            return torch.zeros(self.cfg.num_experts, device=self.gate.weight.device)
+        return torch.stack(self.routed_E).sum(0).to(torch.float32)
+
+    @torch.no_grad()
+    def update_bias(self, load_E: torch.Tensor) -> None:
+        """One aux-loss-free step from the global batch's routes per expert; clears the local count."""
+        self.expert_bias_E.copy_(updated_bias(self.expert_bias_E, load_E, self.cfg.bias_update_rate))
+        self.routed_E.clear()
+
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.gate.weight, std=std)
+        if self.expert_bias_E is not None:
+            self.expert_bias_E.zero_()
+            self.routed_E.clear()

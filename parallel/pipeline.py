@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from moetron.model.router import Router
 from moetron.model.transformer import Decoder, ModelOutput
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import ParallelMesh
@@ -150,12 +151,17 @@ class Pipeline:
         kwargs = {"target": targets_BS, "losses": []} if self.has_last else {}
         run = self.schedule.step if train else self.schedule.eval
         n_aux, n_ce = len(rec.aux), len(rec.ce)
+        routers = [r for m in self.modules for r in m.modules() if isinstance(r, Router) and r.expert_bias_E is not None]
+        n_routed = [len(r.routed_E) for r in routers]
         run(*args, **kwargs)
         # The schedule's first call (and its first after a train/eval switch) runs each stage once
-        # more, on placeholder inputs, to infer shapes; drop what those runs recorded (they come first).
+        # more, on placeholder inputs, to infer shapes; drop what those runs recorded (they come
+        # first), aux losses and the routes that aux-loss-free balancing counts alike.
         microbatches = self.schedule._n_microbatches
         _drop_leading(rec.aux, n_aux, microbatches * len(self.modules))
         _drop_leading(rec.ce, n_ce, microbatches if self.has_last else 0)
+        for router, start in zip(routers, n_routed):
+            _drop_leading(router.routed_E, start, microbatches if train else 0)
 
 
 def _drop_leading(items: list, start: int, expected: int) -> None:

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from moetron.launcher.config import load_config
 from moetron.launcher.run_dir import RunError
@@ -180,3 +181,25 @@ def test_a_diverging_run_skips_then_stops_with_one_line_and_no_bad_checkpoint(tm
     # No checkpoint was written for a skipped step.
     good = int(ckpts[-1].name.split("-")[1])
     assert all(r["loss"] is not None for r in recs if r["step"] <= good)
+
+
+def test_aux_loss_free_routing_trains_and_resumes_bit_exactly(tmp_run_dir):
+    """Sigmoid scores with a balancing bias and no aux loss: the bias moves (a buffer, checkpointed),
+    and 4 + resume + 4 steps equal 8 straight, losses and biases alike."""
+    from moetron.parallel.checkpoint import consolidated_model_state
+
+    free = ("train.steps=8", "train.precision=fp32", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01",
+            "model.moe.aux_loss_coef=0")
+    straight = records(train(small(tmp_run_dir, *free, "train.name=straight"), console=lambda *_: None))
+    cfg = small(tmp_run_dir, *free, "train.name=split")
+    train(cfg, exit_after=4, console=lambda *_: None)
+    resumed = records(train(cfg, console=lambda *_: None))
+    assert [(r["step"], r["loss"], r.get("grad_norm")) for r in straight] == \
+           [(r["step"], r["loss"], r.get("grad_norm")) for r in resumed]
+    a = consolidated_model_state(tmp_run_dir / "straight" / "checkpoints" / "step-00000008")
+    b = consolidated_model_state(tmp_run_dir / "split" / "checkpoints" / "step-00000008")
+    biases = [k for k in a if k.endswith("router.expert_bias_E")]
+    assert len(biases) == 2  # both MoE layers
+    assert all(a[k].equal(b[k]) for k in biases)
+    # 8 updates of ±0.01 each: every bias is a multiple of the rate, and they have moved.
+    assert all(a[k].abs().max() > 0 and torch.allclose(a[k] / 0.01, (a[k] / 0.01).round(), atol=1e-4) for k in biases)

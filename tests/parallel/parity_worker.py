@@ -11,7 +11,10 @@ which they are defined identically.
 Checked per step: the loss (CE and aux) within LOSS_RTOL; after step 1 every parameter's
 gradient (gathered from its shards) within GRAD_TOL of the largest reference gradient entry,
 and the global gradient norm within GRAD_TOL relative;
-the expert token counts of the last micro-batch exactly. Rank 0 prints one JSON line per case.
+the expert token counts of the last micro-batch exactly. With aux-loss-free routing (the *_bias
+cases: sigmoid scores, an expert bias moved after every step by the global batch's loads) the
+biases after the last step must equal the reference's, which moves them from its own counts.
+Rank 0 prints one JSON line per case.
 """
 
 from __future__ import annotations
@@ -30,12 +33,14 @@ from torch.distributed.tensor import DTensor
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
+from moetron.parallel.expert_bias import biased_routers, update_expert_biases
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import parallelize
 
 LOSS_RTOL = 1e-5
 GRAD_TOL = 1e-5
+BIAS_TOL = 1e-9  # biases are sums of ±rate: equal loads give equal biases
 STEPS, LR, SEED = 3, 0.5, 7
 BATCH, SEQ = 8, 16
 
@@ -43,8 +48,21 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads
                     attention="eager",
                     moe=MoEConfig(num_experts=4, top_k=2, d_expert=32, every=2, aux_loss_coef=0.01, z_loss_coef=0.001))
 
+# Aux-loss-free routing, large enough a rate that the bias changes choices within three steps.
+BIAS = {"score": "sigmoid", "bias_update_rate": 0.05}
+BIAS_GROUPS = {**BIAS, "num_groups": 2, "topk_groups": 1}
+
 # name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
+    "tp2_sp_bias": (dict(tp=2, sequence_parallel=True), BIAS, 1),
+    "dp2_ddp_bias": (dict(dp=2, dp_mode="ddp"), BIAS_GROUPS, 2),
+    "ep2_fsdp_bias": (dict(dp=2, ep=2), BIAS_GROUPS, 1),
+    "pp2_gpipe_bias": (dict(pp=2, microbatches=2, schedule="gpipe"), BIAS, 1),
+    "pp2_1f1b_bias": (dict(pp=2, microbatches=2, schedule="1f1b"), BIAS, 2),
+    "pp2_interleaved_bias": (dict(pp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), BIAS, 1),
+    "pp2_zero_bubble_bias": (dict(pp=2, microbatches=2, schedule="zero_bubble"), BIAS_GROUPS, 1),
+    "tp2_sp_ep2_bias": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), BIAS_GROUPS, 1),
+    "pp2_dp2_bias": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), BIAS, 1),
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
     "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
@@ -100,9 +118,12 @@ def reference(model_cfg: ModelConfig, chunks: int) -> dict:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
+        for router in biased_routers([model]).values():  # its own counts: no collective here
+            router.update_bias(router.tokens_per_expert_E.clone())
         out["ce"].append(ce_sum / chunks)
         out["aux"].append(aux_sum / chunks)
         out["counts"].append(counts)
+    out["bias"] = {layer: r.expert_bias_E.clone() for layer, r in biased_routers([model]).items()}
     return out
 
 
@@ -149,12 +170,20 @@ def run_case(name: str) -> dict:
                 worst["grad"] = max(worst["grad"], float((got - want).abs().max() / want.abs().max().clamp_min(1e-12)))
         opt.step()
         opt.zero_grad()
-    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok)], dtype=torch.float64)
+        if model_cfg.moe.bias_update_rate > 0:
+            update_expert_biases(pm.modules, mesh, model_cfg.n_layers, model_cfg.moe.num_experts, torch.device("cpu"))
+    bias_err = 0.0
+    for layer, router in biased_routers(pm.modules).items():
+        bias_err = max(bias_err, float((router.expert_bias_E - ref["bias"][layer]).abs().max()))
+    if model_cfg.moe.bias_update_rate > 0 and not ref["bias"]:
+        bias_err = float("inf")  # the reference has no biased router: the case tests nothing
+    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ce_err, aux_err, grad_err, counts_bad = t.tolist()
-    ok = ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
+    ce_err, aux_err, grad_err, counts_bad, bias_err = t.tolist()
+    ok = (ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
+          and bias_err <= BIAS_TOL)
     return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "grad_rel": grad_err,
-            "counts_equal": not counts_bad}
+            "counts_equal": not counts_bad, "bias_abs": bias_err}
 
 
 def main(names: list[str]) -> int:

@@ -3,7 +3,7 @@ layouts inside (tests/parallel/parity_worker.py holds the checks and their toler
 
 Tolerances: loss and aux loss within 1e-5 relative on each of three SGD steps; every
 parameter's step-1 gradient within 1e-5 of its largest reference entry; expert token counts
-equal. Cost on 2 CPU cores: ~12 s (2 ranks), ~25 s (4 ranks), ~25 s (8 ranks).
+equal; under aux-loss-free routing the expert biases after the last step equal one process's. Cost on 2 CPU cores: ~12 s (2 ranks), ~25 s (4 ranks), ~25 s (8 ranks).
 """
 
 from __future__ import annotations
@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 LAUNCHES = {
     2: ["tp2", "tp2_sp", "tp2_sp_learned", "dp2_fsdp", "dp2_ddp", "ep2_fsdp", "ep2_ddp_capacity",
-        "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble"],
-    4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved"],
+        "pp2_gpipe", "pp2_1f1b", "pp2_interleaved", "pp2_zero_bubble",
+        "tp2_sp_bias", "dp2_ddp_bias", "ep2_fsdp_bias", "pp2_gpipe_bias", "pp2_1f1b_bias", "pp2_interleaved_bias",
+        "pp2_zero_bubble_bias"],
+    4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved",
+        "tp2_sp_ep2_bias", "pp2_dp2_bias"],
     8: ["pp2_dp2_tp2_ep2"],
 }
 

@@ -1,0 +1,144 @@
+"""Sigmoid scores, aux-loss-free expert bias, group-limited routing and the routed scaling factor,
+against megatron-core 0.16's `topk_routing_with_score_function` and `get_updated_expert_bias`.
+
+Legend: T tokens, D model dim, E experts, K top-k, G expert groups.
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moetron.model.config import MoEConfig
+from moetron.model.router import Router, group_limited, updated_bias
+
+T, D, E = 96, 16, 16
+
+CASES = {
+    # name: (our MoEConfig fields, megatron keyword arguments)
+    "softmax-renormalize": (dict(top_k=2), dict(use_pre_softmax=False)),
+    "softmax-raw": (dict(top_k=2, weighting="softmax"), dict(use_pre_softmax=True)),
+    # Groups are chosen on the scores (DeepSeek-V2's softmax affinities): megatron's pre-softmax path.
+    "softmax-groups": (dict(top_k=4, num_groups=4, topk_groups=2, weighting="softmax"),
+                       dict(num_groups=4, group_topk=2, use_pre_softmax=True)),
+    "sigmoid": (dict(top_k=4, score="sigmoid"), dict(score_function="sigmoid")),
+    "sigmoid-scaled": (dict(top_k=4, score="sigmoid", route_scale=2.5), dict(score_function="sigmoid", scaling_factor=2.5)),
+    "sigmoid-bias": (dict(top_k=4, score="sigmoid", bias_update_rate=1e-3), dict(score_function="sigmoid")),
+    "sigmoid-bias-groups": (dict(top_k=4, score="sigmoid", bias_update_rate=1e-3, num_groups=4, topk_groups=2,
+                                 route_scale=2.5),
+                            dict(score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5)),
+    "sigmoid-top1": (dict(top_k=1, score="sigmoid", weighting="softmax"), dict(score_function="sigmoid")),
+}
+
+
+def dense(expert_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(expert_TK.shape[0], E, dtype=weight_TK.dtype).scatter(1, expert_TK, weight_TK)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("case", CASES, ids=CASES)
+def test_choices_and_weights_equal_megatron(case, seed):
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    ours, theirs = CASES[case]
+    gen = torch.Generator().manual_seed(seed)
+    router = Router(D, MoEConfig(num_experts=E, **ours))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(E, D, generator=gen))
+    bias_E = None
+    if router.expert_bias_E is not None:
+        # The size of the score gaps, so the bias changes some choices but not all.
+        bias_E = torch.randn(E, generator=gen) * 0.2
+        router.expert_bias_E.copy_(bias_E)
+    x_TD = torch.randn(T, D, generator=gen)
+    routing = router(x_TD)
+    logits_TE = F.linear(x_TD, router.gate.weight).detach()
+    probs_TE, map_TE = moe_utils.topk_routing_with_score_function(logits_TE, ours["top_k"], expert_bias=bias_E,
+                                                                   **theirs)
+    ours_TE = dense(routing.expert_TK, routing.weight_TK.detach())
+    assert torch.equal(ours_TE != 0, map_TE)
+    torch.testing.assert_close(ours_TE, probs_TE, rtol=1e-6, atol=1e-7)
+    if bias_E is not None:  # the bias decided something: without it some choices differ
+        router.expert_bias_E.zero_()
+        assert not torch.equal(dense(router(x_TD).expert_TK, torch.ones(T, ours["top_k"])) != 0, map_TE)
+
+
+def test_the_bias_never_reaches_the_weights_or_the_gradient():
+    router = Router(D, MoEConfig(num_experts=E, top_k=4, score="sigmoid", bias_update_rate=1e-3))
+    names = [n for n, _ in router.named_parameters()]
+    assert names == ["gate.weight"]  # a buffer: no gradient, no weight decay, not in the optimizer
+    assert set(router.state_dict()) == {"gate.weight", "expert_bias_E"}  # checkpointed; the count is not
+    x_TD = torch.randn(T, D)
+    router.expert_bias_E.copy_(torch.linspace(-1, 1, E))
+    routing = router(x_TD)
+    scores_TE = F.linear(x_TD, router.gate.weight).sigmoid()
+    picked_TK = scores_TE.gather(1, routing.expert_TK)
+    torch.testing.assert_close(routing.weight_TK, picked_TK / picked_TK.sum(-1, keepdim=True))
+    routing.weight_TK.sum().backward()
+    assert router.expert_bias_E.grad is None
+
+
+def test_group_limited_routing_stays_inside_the_best_groups():
+    """A plain loop: score groups by their best top_k/topk_groups experts, keep the best groups."""
+    gen = torch.Generator().manual_seed(3)
+    choice_TE = torch.rand(T, E, generator=gen)
+    masked_TE = group_limited(choice_TE, top_k=4, num_groups=4, topk_groups=2)
+    for t in range(T):
+        groups = choice_TE[t].view(4, 4)
+        group_score = groups.topk(2, dim=-1).values.sum(-1)
+        best = set(group_score.topk(2).indices.tolist())
+        for g in range(4):
+            kept = torch.isfinite(masked_TE[t].view(4, 4)[g]).all().item()
+            assert kept == (g in best)
+    picks_TK = masked_TE.topk(4, dim=-1).indices
+    assert ((picks_TK // 4).unsqueeze(-1) == (picks_TK // 4).unsqueeze(-2)).any(-1).all()
+    assert torch.tensor([len(set(row.tolist())) for row in picks_TK // 4]).max() <= 2  # ≤ topk_groups groups
+
+
+def test_counts_accumulate_only_while_training():
+    router = Router(D, MoEConfig(num_experts=E, top_k=4, score="sigmoid", bias_update_rate=1e-3))
+    router.expert_bias_E.zero_()
+    router(torch.randn(T, D))
+    router(torch.randn(T, D))
+    assert router.tokens_per_expert_E.sum() == 2 * T * 4
+    router.eval()
+    router(torch.randn(T, D))
+    assert router.tokens_per_expert_E.sum() == 2 * T * 4
+    load_E = router.tokens_per_expert_E.clone()
+    router.update_bias(load_E)
+    expected = 1e-3 * torch.sign(load_E.mean() - load_E)
+    assert torch.equal(router.expert_bias_E, expected) and router.routed_E == []
+
+
+BIAS_UPDATE = """
+import torch, torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
+from moetron.model.router import updated_bias
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+parallel_state.initialize_model_parallel()
+gen = torch.Generator().manual_seed(0)
+for case in range(6):
+    load_E = torch.randint(0, 50, (16,), generator=gen).float()
+    if case == 0:
+        load_E[:] = 7.0  # balanced: nothing moves
+    bias_E = torch.randn(16, generator=gen)
+    theirs = get_updated_expert_bias(load_E.clone(), bias_E, 1e-3)
+    ours = updated_bias(bias_E, load_E, 1e-3)
+    assert torch.equal(ours, theirs), (case, ours - theirs)
+dist.destroy_process_group()
+print("ok")
+"""
+
+
+def test_bias_update_equals_megatron():
+    pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", BIAS_UPDATE.format(port=port)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
