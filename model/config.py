@@ -45,6 +45,10 @@ class MoEConfig:
     num_groups: int = 0
     topk_groups: int = 0
     aux_loss_coef: float = 0.01
+    # Where the balance loss counts loads: "micro_batch" (Switch, GShard; the routes taken) or
+    # "sequence" (DeepSeek-V3's complementary loss: each sequence's own loads, of the unbiased top-k
+    # scores, averaged over sequences; with a bias it is usually tiny, e.g. 1e-4).
+    aux_loss_type: Literal["micro_batch", "sequence"] = "micro_batch"
     z_loss_coef: float = 0.0
     # Multiplicative uniform noise (1 ± jitter) on the router input while training (Switch).
     jitter: float = 0.0

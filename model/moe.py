@@ -80,7 +80,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
-        routing = self.router(x_TD)
+        routing = self.router(x_TD, num_sequences=x_BSD.shape[0])
         x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
         y_AD = self.experts(x_AD, offsets_E)
         y_TD = self.dispatcher.combine(y_AD, state).to(x_BSD.dtype)

@@ -13,7 +13,11 @@ route past place C is dropped and its token rides the residual. Weights are take
 "softmax" keeps the raw router probability (Switch), "renormalize" rescales the surviving routes
 of a token to sum to one (Mixtral; GShard top-2), and both are multiplied by `route_scale`.
 The expert choice, weights and group rule equal megatron-core's `topk_routing_with_score_function`
-(tests/model/test_router.py), whose softmax path ignores a bias; here it applies to both scores.
+(tests/model/test_router_scores.py), whose softmax path ignores a bias; here it applies to both
+scores, and groups are always chosen on the scores (megatron's pre-softmax path).
+
+The balance loss is Switch's over the micro-batch's routes, or DeepSeek-V3's per sequence
+(`aux_loss_type: sequence`).
 """
 
 from __future__ import annotations
@@ -85,6 +89,22 @@ def updated_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> tor
     return bias_E + rate * torch.sign(load_E.mean() - load_E)
 
 
+def sequence_balancing_loss(probs_TE: torch.Tensor, num_sequences: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss (eqs. 17–20), averaged over the B sequences of the
+    T = B·S tokens (rows sequence-major): per sequence E · Σ_e f_e · P_e, with f_e the share of the
+    sequence's K·S top-k routes (of the scores themselves, no bias, no groups) sent to e, and P_e
+    its mean score of e. megatron-core's seq_aux_loss (tests/model/test_router_scores.py)."""
+    T, E = probs_TE.shape
+    S = T // num_sequences
+    top_TK = torch.topk(probs_TE.detach(), top_k, dim=-1).indices
+    counts_BE = torch.zeros(num_sequences, E, dtype=probs_TE.dtype, device=probs_TE.device).scatter_add_(
+        1, top_TK.view(num_sequences, S * top_k), torch.ones(num_sequences, S * top_k, dtype=probs_TE.dtype,
+                                                             device=probs_TE.device))
+    f_BE = counts_BE / (S * top_k)
+    P_BE = probs_TE.view(num_sequences, S, E).mean(dim=1)
+    return E * (f_BE * P_BE).sum(-1).mean()
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE's z-loss: mean over tokens of logsumexp(logits)^2, keeping router logits small."""
     return torch.logsumexp(logits_TE, dim=-1).square().mean()
@@ -110,7 +130,8 @@ class Router(nn.Module):
         else:
             self.expert_bias_E = None
 
-    def forward(self, x_TD: torch.Tensor) -> Routing:
+    def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> Routing:
+        """x_TD: the tokens of `num_sequences` sequences, sequence-major (B·S rows)."""
         cfg = self.cfg
         if self.training and cfg.jitter > 0:
             x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
@@ -146,7 +167,12 @@ class Router(nn.Module):
         # normalized per token for them (megatron-core's compute_routing_scores_for_aux_loss).
         probs_TE = scores_TE if cfg.score == "softmax" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
         zero = logits_TE.new_zeros(())
-        aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k) if cfg.aux_loss_coef else zero
+        if not cfg.aux_loss_coef:
+            aux = zero
+        elif cfg.aux_loss_type == "sequence":
+            aux = cfg.aux_loss_coef * sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k)
+        else:
+            aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k)
         z = cfg.z_loss_coef * router_z_loss(logits_TE) if cfg.z_loss_coef else zero
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()

@@ -64,6 +64,35 @@ def test_choices_and_weights_equal_megatron(case, seed):
         assert not torch.equal(dense(router(x_TD).expert_TK, torch.ones(T, ours["top_k"])) != 0, map_TE)
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_sequence_balance_loss_equals_megatron_seq_aux_loss(score, bias):
+    """megatron-core's seq_aux_loss: its [S, B] token layout folded into S × (B·E) "experts",
+    Switch's loss over that, divided by B. Value and gradient; the bias does not enter it."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    B, S, K, coef = 4, T // 4, 4, 1e-3
+    router = Router(D, MoEConfig(num_experts=E, top_k=K, score=score, aux_loss_type="sequence", aux_loss_coef=coef,
+                                 weighting="renormalize", bias_update_rate=1e-3 if bias else 0.0))
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(E, D, generator=gen))
+        if bias:
+            router.expert_bias_E.copy_(torch.randn(E, generator=gen))
+    x_TD = torch.randn(T, D, generator=gen)
+    ours = router(x_TD, num_sequences=B).aux_loss
+    (g_ours,) = torch.autograd.grad(ours, router.gate.weight)
+
+    weight = router.gate.weight.detach().clone().requires_grad_(True)
+    logits_TE = F.linear(x_TD, weight)
+    map_TE, scores_TE = moe_utils.compute_routing_scores_for_aux_loss(logits_TE, K, score)
+    scores_SBE = scores_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E)  # megatron's sequence-first rows
+    map_SBE = map_TE.view(B, S, E).transpose(0, 1).reshape(S, B * E)
+    theirs = moe_utils.switch_load_balancing_loss_func(scores_SBE, map_SBE.sum(0), S, K, E, coef) / B
+    (g_theirs,) = torch.autograd.grad(theirs, weight)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-9)
+
+
 def test_the_bias_never_reaches_the_weights_or_the_gradient():
     router = Router(D, MoEConfig(num_experts=E, top_k=4, score="sigmoid", bias_update_rate=1e-3))
     names = [n for n, _ in router.named_parameters()]

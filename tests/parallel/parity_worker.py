@@ -51,18 +51,19 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads
 # Aux-loss-free routing, large enough a rate that the bias changes choices within three steps.
 BIAS = {"score": "sigmoid", "bias_update_rate": 0.05}
 BIAS_GROUPS = {**BIAS, "num_groups": 2, "topk_groups": 1}
+BIAS_SEQUENCE = {**BIAS, "aux_loss_type": "sequence"}  # DeepSeek-V3's per-sequence balance loss beside the bias
 
 # name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
-    "tp2_sp_bias": (dict(tp=2, sequence_parallel=True), BIAS, 1),
+    "tp2_sp_bias": (dict(tp=2, sequence_parallel=True), BIAS_SEQUENCE, 1),
     "dp2_ddp_bias": (dict(dp=2, dp_mode="ddp"), BIAS_GROUPS, 2),
-    "ep2_fsdp_bias": (dict(dp=2, ep=2), BIAS_GROUPS, 1),
+    "ep2_fsdp_bias": (dict(dp=2, ep=2), {**BIAS_GROUPS, "aux_loss_type": "sequence"}, 1),
     "pp2_gpipe_bias": (dict(pp=2, microbatches=2, schedule="gpipe"), BIAS, 1),
-    "pp2_1f1b_bias": (dict(pp=2, microbatches=2, schedule="1f1b"), BIAS, 2),
+    "pp2_1f1b_bias": (dict(pp=2, microbatches=2, schedule="1f1b"), BIAS_SEQUENCE, 2),
     "pp2_interleaved_bias": (dict(pp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), BIAS, 1),
     "pp2_zero_bubble_bias": (dict(pp=2, microbatches=2, schedule="zero_bubble"), BIAS_GROUPS, 1),
     "tp2_sp_ep2_bias": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), BIAS_GROUPS, 1),
-    "pp2_dp2_bias": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), BIAS, 1),
+    "pp2_dp2_bias": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), BIAS_SEQUENCE, 1),
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
     "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
