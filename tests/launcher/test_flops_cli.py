@@ -141,3 +141,12 @@ def test_counting_does_not_change_the_step(bf16):
         models.append(model)
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
+
+
+def test_deepseek_v3_preset_counts_the_published_sizes(capsys):
+    """DeepSeek-V3 reports 671B parameters and 37B activated per token (MTP module aside). The
+    preset approximates MLA with GQA (its comment gives the difference): within 1% of both."""
+    assert main(["flops", str(TINY.with_name("deepseek-v3-671b.yaml")), "--json"]) == 0
+    acct = json.loads(capsys.readouterr().out)
+    assert acct["params_total"] == pytest.approx(671e9, rel=0.01)
+    assert acct["params_active"] + acct["params_embedding"] == pytest.approx(37e9, rel=0.01)
