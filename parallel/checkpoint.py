@@ -374,7 +374,10 @@ def _open_verified(path: Path) -> SafeFileSystemReader:
     checked as each rank reads its files)."""
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path}: not a checkpoint folder (no .metadata){_offer(path)}")
-    problem = verify_checkpoint(path)
+    try:
+        problem = verify_checkpoint(path)
+    except CheckpointError as e:  # an unreadable or newer manifest
+        raise CheckpointError(f"{e}{_offer(path)}") from None
     if problem:
         raise CheckpointError(f"{problem}{_offer(path)}")
     return SafeFileSystemReader(path)

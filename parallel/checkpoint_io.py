@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 
 MANIFEST = "manifest.json"
+# The checkpoint folder's format; a reader refuses a newer one rather than misread it.
+MANIFEST_VERSION = 1
 METADATA = ".metadata"
 
 # (module, name) pairs a DCP .metadata pickle may name; anything else is refused.
@@ -148,7 +150,8 @@ def manifest_part(folder: Path, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def write_manifest(folder: Path, files: Mapping[str, Mapping[str, Any]]) -> None:
-    (folder / MANIFEST).write_text(json.dumps({"version": 1, "files": dict(sorted(files.items()))}, indent=1))
+    (folder / MANIFEST).write_text(json.dumps({"version": MANIFEST_VERSION, "files": dict(sorted(files.items()))},
+                                              indent=1))
 
 
 def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
@@ -157,9 +160,13 @@ def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
     if not path.is_file():
         return None
     try:
-        files = json.loads(path.read_text())["files"]
+        data = json.loads(path.read_text())
+        files, version = data["files"], data.get("version", 1)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint cannot be verified") from None
+    if not isinstance(version, int) or version > MANIFEST_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {version!r} was written by a newer moetron; this one reads "
+                              f"format {MANIFEST_VERSION} and older (upgrade moetron to resume from it)")
     return files
 
 

@@ -203,3 +203,22 @@ def test_aux_loss_free_routing_trains_and_resumes_bit_exactly(tmp_run_dir):
     assert all(a[k].equal(b[k]) for k in biases)
     # 8 updates of ±0.01 each: every bias is a multiple of the rate, and they have moved.
     assert all(a[k].abs().max() > 0 and torch.allclose(a[k] / 0.01, (a[k] / 0.01).round(), atol=1e-4) for k in biases)
+
+
+def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing(tmp_run_dir):
+    args = [sys.executable, "-m", "moetron", "train", str(TINY), *SMALL, f"train.run_dir={tmp_run_dir}",
+            "train.name=dmg", "train.steps=2", "train.checkpoint.every=1", "train.checkpoint.keep=5"]
+    assert subprocess.run(args, capture_output=True, text=True, timeout=300).returncode == 0
+    ckpts = tmp_run_dir / "dmg" / "checkpoints"
+    shard = next((ckpts / "step-00000002").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in sorted(tmp_run_dir.rglob("*")) if p.is_file() and "tensorboard" not in p.parts}
+    proc = subprocess.run([*args[:-3], "train.steps=4"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"{shard}: corrupt" in line and "previous complete checkpoint is" in line and "step-00000001" in line
+    assert "Traceback" not in proc.stderr
+    after = {p: p.read_bytes() for p in sorted(tmp_run_dir.rglob("*")) if p.is_file() and "tensorboard" not in p.parts}
+    assert after == before

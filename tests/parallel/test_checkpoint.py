@@ -160,6 +160,61 @@ def test_corrupt_shard_is_caught_by_its_hash(tmp_path):
         consolidated_model_state(ckpt)
 
 
+def _two_checkpoints(tmp_path: Path) -> tuple[Path, Path]:
+    """step-1 and step-2 of one model."""
+    model, opt = make()
+    return save_checkpoint(tmp_path, 1, model, opt, {"step": 1}), save_checkpoint(tmp_path, 2, model, opt, {"step": 2})
+
+
+def _contents(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("damage", ["missing_file", "unlisted_file", "manifest_size", "newer_format",
+                                    "unreadable_manifest"])
+def test_damaged_checkpoint_is_refused_with_the_previous_one_offered(tmp_path, damage):
+    """Each damage gives one CheckpointError line naming the file and what is wrong, offers step-1,
+    and leaves every file of every checkpoint as it was (after the damage)."""
+    first, second = _two_checkpoints(tmp_path)
+    shard = _shard(second)
+    manifest = json.loads((second / MANIFEST).read_text())
+    if damage == "missing_file":
+        shard.unlink()
+        expected = rf"{shard}: missing"
+    elif damage == "unlisted_file":
+        del manifest["files"][shard.name]
+        (second / MANIFEST).write_text(json.dumps(manifest))
+        expected = rf"{shard}: not listed in {MANIFEST}"
+    elif damage == "manifest_size":
+        manifest["files"][shard.name]["size"] += 1
+        (second / MANIFEST).write_text(json.dumps(manifest))
+        expected = rf"{shard}: truncated or overwritten"
+    elif damage == "newer_format":
+        manifest["version"] = 2
+        (second / MANIFEST).write_text(json.dumps(manifest))
+        expected = r"checkpoint format 2 was written by a newer moetron"
+    else:
+        (second / MANIFEST).write_text("{not json")
+        expected = rf"{second / MANIFEST}: unreadable"
+    before = _contents(tmp_path)
+    model, opt = make(seed=1)
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(CheckpointError, match=rf"{expected}.*previous complete checkpoint is .*step-00000001") as e:
+        load_checkpoint(second, model, opt)
+    assert "\n" not in str(e.value)
+    assert _contents(tmp_path) == before  # nothing deleted, rewritten or moved
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # the live model untouched
+    load_checkpoint(first, model, opt)  # the one offered loads
+
+
+def test_a_plain_file_where_a_checkpoint_folder_is_expected(tmp_path):
+    (tmp_path / "step-00000003").write_text("not a folder")
+    with pytest.raises(CheckpointError, match=r"step-00000003: not a checkpoint folder"):
+        load_checkpoint(tmp_path / "step-00000003", *make())
+    with pytest.raises(CheckpointError, match=r"step-00000003: not a checkpoint folder"):
+        consolidated_model_state(tmp_path / "step-00000003")
+
+
 class _Boom:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
