@@ -63,8 +63,10 @@ from moetron.parallel.checkpoint_state import (
 )
 
 COMPLETE = "COMPLETE"
-# Fault injection for crash tests: "STEP" makes the save of that step stop for an hour after its
-# shards are written and before the rename, so a kill lands inside the write deterministically.
+# Fault injection for crash tests: "STEP:PHASE" makes the save of that step stop for an hour at
+# PHASE, so a kill lands there deterministically: "shards" (each rank, its shards and manifest part
+# written), "manifest" (rank 0, merged manifest written, no COMPLETE), "rename" (COMPLETE written,
+# folder not renamed), "latest" (renamed, pointer not moved). "STEP" alone means STEP:shards.
 STALL_ENV = "MOETRON_CHECKPOINT_STALL_AT"
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -73,18 +75,26 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
+def step_of(ckpt: Path) -> int:
+    return int(Path(ckpt).name.split("-")[-1])
+
+
+def _stall(step: int, phase: str) -> None:
+    """The crash tests' hook (STALL_ENV); a no-op unless the variable names this step and phase."""
+    wanted = os.environ.get(STALL_ENV)
+    if wanted is not None and (wanted == f"{step}:{phase}" or (phase == "shards" and wanted == str(step))):
+        time.sleep(3600)
+
+
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """Every complete checkpoint of a folder, oldest first."""
     return sorted(p for p in Path(ckpt_root).glob("step-*") if (p / COMPLETE).is_file())
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint: the `latest` pointer if it names one, else a scan."""
-    pointer = Path(ckpt_root) / "latest"
-    if pointer.is_file():
-        target = Path(ckpt_root) / pointer.read_text().strip()
-        if (target / COMPLETE).is_file():
-            return target
+    """The newest complete checkpoint. A folder is named step-* only once COMPLETE is in it, so the
+    scan is authoritative; the `latest` pointer (for people and scripts) can lag one save behind
+    when a process dies between the rename and the pointer update, and must not lose that save."""
     done = complete_checkpoints(ckpt_root)
     return done[-1] if done else None
 
@@ -197,8 +207,7 @@ class Checkpointer:
         part = tmp / f"{MANIFEST}.rank{self.rank}"
         part.write_text(json.dumps(manifest_part(tmp, names)))
         _fsync(part)
-        if os.environ.get(STALL_ENV) == str(step):
-            time.sleep(3600)
+        _stall(step, "shards")
 
     def poll(self) -> Path | None:
         """The checkpoint in flight, finished, once every rank has written its part; else None.
@@ -247,14 +256,17 @@ class Checkpointer:
             part = tmp / f"{MANIFEST}.rank{r}"
             files.update(json.loads(part.read_text()))
         write_manifest(tmp, files)
+        _fsync(tmp / MANIFEST)
+        _stall(step_of(final), "manifest")
         (tmp / COMPLETE).write_text(final.name + "\n")
-        for name in (MANIFEST, COMPLETE):
-            _fsync(tmp / name)
+        _fsync(tmp / COMPLETE)
         for r in range(self.world):
             (tmp / f"{MANIFEST}.rank{r}").unlink()
+        _stall(step_of(final), "rename")
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
+        _stall(step_of(final), "latest")
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         _fsync(pointer)
