@@ -182,8 +182,19 @@ def test_scontrol_requeue_checkpoints_and_resumes(reference, env, workdir):
     # Slurm sends the ranks SIGTERM; they checkpoint and Slurm requeues the job itself.
     assert job.states() == ["REQUEUED", "COMPLETED"]
     assert "stopped by signal SIGTERM" in job.log and "resumed from" in job.log
+    stopped, resumed = steps_lost(job.log)
+    assert resumed == stopped >= 5  # resumed at the step the signal stopped
     assert len(job.checkpoints()) == 2  # the one written on the signal, and the last
     assert_same_losses(job, reference.metrics())
+
+
+def steps_lost(log: str) -> tuple[int, int]:
+    """(the step a signal stopped the job after, the step the requeued job resumed at), from its log."""
+    import re
+
+    stopped = int(re.search(r"stopped by signal SIG\w+ after step (\d+)", log).group(1))
+    resumed = int(re.search(r"resumed from \S+ at step (\d+)", log).group(1))
+    return stopped, resumed
 
 
 def test_preemption_by_the_urgent_partition(reference, env, workdir):
@@ -195,6 +206,10 @@ def test_preemption_by_the_urgent_partition(reference, env, workdir):
     # The preempted batch shell gets USR1 (--signal=B:USR1, preempt_send_user_signal), forwards it
     # to every rank through srun, and requeues its job once they have checkpointed.
     assert "stopped by signal SIGUSR1" in job.log and "requeueing" in job.log and "resumed from" in job.log
+    # No periodic checkpoints here (checkpoint.every 0): the requeued run starts at the very step
+    # the signal stopped, not from an earlier save. Preemption loses no finished step.
+    stopped, resumed = steps_lost(job.log)
+    assert resumed == stopped >= 5
     assert job.states()[-1] == "COMPLETED" and len(job.states()) == 2
     started = slurm(["sacct", "-j", f"{job.id},{urgent}", "--duplicates", "-X", "-n", "-P", "-o", "JobID,Start"], env).split()
     starts = [line.split("|") for line in started]
