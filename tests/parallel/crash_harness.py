@@ -41,7 +41,7 @@ from moetron.launcher.tokenizer import ByteTokenizer
 from moetron.parallel.checkpoint import COMPLETE, STALL_ENV, complete_checkpoints
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
-STEPS = 8
+STEPS = 5
 SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
          "model.moe.d_expert=32", "model.moe.num_experts=4", "train.seq_len=16", "train.batch_size=8",
          "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "train.warmup_steps=2",
