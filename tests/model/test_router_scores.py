@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.model.config import MoEConfig
-from moetron.model.router import Router, group_limited, updated_bias
+from moetron.model.router import Router, group_limited
 
 T, D, E = 96, 16, 16
 
