@@ -9,6 +9,7 @@ tflops_per_device, mfu, mfu_measured, memory_gib, step_time — come from the tr
   moe/expert_load                       image: L × E heatmap with axes, colour = load / mean load
                                         (colour bar 0..2, 1 = balanced)
   moe/expert_load/layer_<i>             histogram over expert ids, weighted by routes received
+  moe/expert_bias                       image: L × E aux-loss-free biases (model.moe.bias_update_rate > 0)
   moe/layer_<i>/{dropped_fraction, router_entropy, aux_loss, z_loss, max_load}   scalars
   accounting                            text: parameters, FLOPs, KV cache, memory, MFU peak
 """
@@ -59,21 +60,34 @@ def load_ratios(counts_LE: np.ndarray) -> np.ndarray:
 
 def expert_load_figure(ratios_LE: np.ndarray, layer_ids: list[int], step: int):
     """The L × E load ratios as a labelled heatmap: layers down, experts across, a colour bar from
-    0 (idle) to 2× the fair share (viridis; darker is idler). Built on a matplotlib Figure of its
-    own, never pyplot, so nothing global is touched."""
+    0 (idle) to 2× the fair share (viridis; darker is idler)."""
+    return _layer_expert_figure(ratios_LE, layer_ids, f"expert load / mean load, step {step}",
+                                "load ÷ mean (1 = balanced)", "viridis", 0.0, _LOAD_RATIO_MAX)
+
+
+def expert_bias_figure(bias_LE: np.ndarray, layer_ids: list[int], step: int):
+    """The aux-loss-free balancing biases, L × E, on a diverging scale symmetric about 0 (red: the
+    expert is pushed up, blue: held back); its images over steps show the bias moving."""
+    limit = max(float(np.abs(bias_LE).max()), 1e-6)
+    return _layer_expert_figure(bias_LE, layer_ids, f"expert bias, step {step}", "bias added to the score",
+                                "RdBu_r", -limit, limit)
+
+
+def _layer_expert_figure(values_LE: np.ndarray, layer_ids: list[int], title: str, label: str, cmap: str,
+                         vmin: float, vmax: float):
+    """Built on a matplotlib Figure of its own, never pyplot, so nothing global is touched."""
     from matplotlib.figure import Figure
 
-    L, E = ratios_LE.shape
+    L, E = values_LE.shape
     fig = Figure(figsize=(min(2.5 + 0.35 * E, 14), 1.4 + 0.3 * L), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    im = ax.imshow(ratios_LE, cmap="viridis", vmin=0.0, vmax=_LOAD_RATIO_MAX, aspect="auto",
-                   interpolation="nearest")
+    im = ax.imshow(values_LE, cmap=cmap, vmin=vmin, vmax=vmax, aspect="auto", interpolation="nearest")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     ax.set_xticks(range(E) if E <= 32 else range(0, E, max(E // 16, 1)))
     ax.set_yticks(range(L), [str(i) for i in layer_ids])
-    ax.set_title(f"expert load / mean load, step {step}", fontsize=9)
-    fig.colorbar(im, ax=ax, label="load ÷ mean (1 = balanced)")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, label=label)
     return fig
 
 
@@ -133,6 +147,14 @@ class Dashboards:
                                 ("aux_loss", s.aux_loss), ("z_loss", s.z_loss)):
                 self.writer.add_scalar(f"moe/layer_{layer}/{name}", float(value.detach()), step)
             self.writer.add_scalar(f"moe/layer_{layer}/max_load", float(ratios_LE[row].max()), step)
+
+    def log_bias(self, step: int, biases: dict) -> None:
+        """`{layer: expert_bias_E}` of aux-loss-free routing, as an image per logged step."""
+        if self.writer is None or not biases:
+            return
+        layers = sorted(biases)
+        bias_LE = np.stack([biases[i].detach().float().cpu().numpy() for i in layers])
+        self._image("moe/expert_bias", expert_bias_figure(bias_LE, layers, step), step)
 
     def _expert_histogram(self, tag: str, counts_E: np.ndarray, step: int) -> None:
         """One bucket per expert id, so the histogram tab shows each expert's load over time."""

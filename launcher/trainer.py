@@ -37,7 +37,7 @@ from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model.transformer import Decoder, build_model
 from moetron.parallel.checkpoint import Checkpointer, ExpertShards, load_checkpoint
-from moetron.parallel.expert_bias import clear_expert_counts, update_expert_biases
+from moetron.parallel.expert_bias import biased_routers, clear_expert_counts, update_expert_biases
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
 
@@ -331,6 +331,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
                               **moe_summary(result.moe))
                 record.update(meter.window(window_tokens, window_time))
                 dashboards.log_moe(step, result.moe)
+                dashboards.log_bias(step, {i: r.expert_bias_E for i, r in biased_routers(pm.modules).items()})
                 window_time, window_tokens = 0.0, 0
             if step % t.eval_every == 0 or step == t.steps:
                 record["val_loss"] = evaluate(pm, val_batches, autocast, device)

@@ -14,7 +14,13 @@ import pytest
 import torch
 
 from moetron.launcher.config import load_config
-from moetron.launcher.dashboards import custom_scalars_layout, expert_load_figure, figure_png, load_ratios
+from moetron.launcher.dashboards import (
+    custom_scalars_layout,
+    expert_bias_figure,
+    expert_load_figure,
+    figure_png,
+    load_ratios,
+)
 from moetron.launcher.mfu import MfuMeter, Peak, cpu_matmul_peak, device_peak, gpu_peak_tflops
 from moetron.launcher.trainer import train
 from moetron.model.config import ModelConfig, MoEConfig
@@ -219,3 +225,25 @@ def test_validation_curve_starts_at_step_zero_near_uniform(tmp_path):
     acc.Reload()
     first = acc.Scalars("val_loss")[0]
     assert first.step == 0 and abs(first.value - math.log(cfg.model.vocab_size)) < 0.1
+
+
+def test_expert_bias_image_over_steps(tmp_path):
+    """Aux-loss-free routing writes its biases as an image at every logged step, on a colour scale
+    symmetric about zero; without a bias there is no such image."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from moetron.launcher.config import load_config
+    from moetron.launcher.trainer import train
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = load_config(tiny, ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+                             "model.d_ff=64", "model.moe.d_expert=32", "train.seq_len=16", "train.batch_size=4",
+                             "train.steps=4", "train.log_every=2", "train.eval_batches=1", "train.peak_tflops=1",
+                             "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01", f"train.run_dir={tmp_path}"])
+    run = train(cfg, console=lambda *_: None)
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("moe/expert_bias")] == [2, 4]
+    fig = expert_bias_figure(np.array([[0.02, -0.01], [0.0, 0.01]]), [0, 1], step=4)
+    ax, bar = fig.axes
+    assert bar.get_ylim() == (-0.02, 0.02) and (ax.get_xlabel(), ax.get_ylabel()) == ("expert", "MoE layer")
