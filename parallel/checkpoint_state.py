@@ -110,17 +110,15 @@ def _is_moment_of(key: str, value: Any, names: frozenset[str]) -> bool:
 def _rows_over(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """View this rank's row block of a tensor split over `mesh` (block i on mesh rank i) as a
     DTensor of the full shape. If the block is itself a DTensor on a 1-D mesh (FSDP over the
-    ranks holding the same experts), the view lives on the 2-D (ep, that mesh) grid: rows split
+    ranks holding the same experts; 2-D under HSDP), the view lives on the (ep, that mesh) grid: rows split
     over ep first, then each block as FSDP split it."""
     ep = mesh.size()
     if isinstance(t, DTensor):
         inner = t.device_mesh
-        if inner.ndim != 1:
-            raise NotImplementedError(f"expert block sharded over a {inner.ndim}-D mesh; expected 1-D")
         # The job's mesh is a regular grid of ranks, so rank offsets along ep and along the inner
-        # dim add up: grid[i, j] = ep_rank_i + inner_rank_j - this rank.
+        # dims (FSDP's 1-D, HSDP's 2-D) add up: grid[i, j…] = ep_rank_i + inner_rank_j… - this rank.
         me = dist.get_rank()
-        grid = mesh.mesh.reshape(-1, 1) + inner.mesh.reshape(1, -1) - me
+        grid = mesh.mesh.reshape(-1, *([1] * inner.ndim)) + inner.mesh.unsqueeze(0) - me
         grid_mesh = DeviceMesh(mesh.device_type, grid, _init_backend=False)
         placements, local, block_shape = (Shard(0), *t.placements), t.to_local(), t.shape
     else:

@@ -1,13 +1,22 @@
-"""Data parallelism: FSDP2 (`fully_shard`, ZeRO-3-like) or replication (DDP semantics), gradient
-accumulation, and the global gradient norm of a model split every which way.
+"""Data parallelism: FSDP2 (`fully_shard`, ZeRO-3-like), HSDP, replication (DDP semantics) with or
+without a sharded optimizer (ZeRO-1), gradient accumulation, and the global gradient norm of a
+model split every which way.
 
-How parameters are split across the dp ranks of mesh["dp"] (= "edp" × "ep"):
-  dp_mode=fsdp  every parameter Shard(0) over dp (on top of any TP split: a 2-D DTensor);
-                gathered per block for forward and backward, gradients reduce-scattered.
-  dp_mode=ddp   every parameter replicated over dp, gradients all-reduced (averaged).
-Routed experts under expert parallelism are a separate unit on mesh["edp"] (the ranks holding
-the same experts): their gradients are summed there and divided by dp, not by |edp|, because
-the all-to-all backward has already summed the contributions of the ep ranks' tokens.
+How parameters are split across the ranks holding the same weights, mesh "dp_cp" (every data-
+parallel rank and every context chunk: cp ranks saw different tokens of the same sequences, so
+their gradients are averaged like the dp ranks'):
+  dp_mode=fsdp   every parameter Shard(0) over dp_cp (on top of any TP split: a 2-D DTensor);
+                 gathered per block for forward and backward, gradients reduce-scattered.
+  dp_mode=hsdp   FSDP2 on the 2-D mesh "hsdp" (replicate, shard): sharded as above inside a group
+                 of dp_shard × cp ranks, replicated across the dp / dp_shard groups; gradients
+                 reduce-scattered inside a group, then all-reduced across groups.
+  dp_mode=ddp    every parameter replicated, gradients all-reduced (averaged).
+  dp_mode=zero1  replicated as ddp; the optimizer holds only this rank's rows of each parameter
+                 (sharded_optimizer.py).
+Routed experts under expert parallelism are a separate unit on "edp_cp" (or "ehsdp"), the ranks
+holding the same experts: their gradients are summed there and divided by dp × cp, not by the
+group's size, because the all-to-all backward has already summed the contributions of the ep
+ranks' tokens.
 
 Wrapping units: each block (attention + FFN/MoE), the experts of each MoE block (when ep > 1),
 the embedding, and the final norm with the head; the whole stage module is the root.
@@ -33,23 +42,26 @@ from moetron.parallel.mesh import ParallelMesh
 
 def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig) -> None:
     """Wrap `model` (a Decoder or one pipeline stage of it) for data parallelism, in place."""
-    if cfg.dp == 1:
+    if cfg.dp * cfg.cp == 1:
         return
-    dp_mesh, edp_mesh = mesh.sub("dp"), mesh.sub("edp")
+    hsdp = cfg.dp_mode == "hsdp"
+    dp_mesh, edp_mesh = (mesh.sub("hsdp"), mesh.sub("ehsdp")) if hsdp else (mesh.sub("dp_cp"), mesh.sub("edp_cp"))
 
     def wrap(module, on):
-        if cfg.dp_mode == "fsdp":
+        if cfg.dp_mode in ("fsdp", "hsdp"):
             return fully_shard(module, mesh=on)
         return replicate(module, mesh=on)
 
     for block in model.layers.values():
         if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
             experts = wrap(block.ffn.experts, edp_mesh)
-            experts.set_gradient_divide_factor(float(cfg.dp))
-            if cfg.dp_mode == "fsdp" and edp_mesh.size() > 1 and dist.get_backend(edp_mesh.get_group()) == "gloo":
+            experts.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
+            shard_ranks = edp_mesh.size(edp_mesh.ndim - 1)  # HSDP: the last dim shards
+            if cfg.dp_mode in ("fsdp", "hsdp") and shard_ranks > 1 and _on_gloo(edp_mesh):
                 # FSDP reduce-scatters with PREMUL_SUM(1/dp), which Gloo lacks: divide locally and
                 # reduce with SUM. Only here: where no reduce-scatter runs (replicate, or one
-                # rank per expert) FSDP already divides locally, and forcing SUM would divide twice.
+                # rank per expert shard group) FSDP already divides locally, and forcing SUM would
+                # divide twice.
                 experts.set_force_sum_reduction_for_comms(True)
         wrap(block, dp_mesh)
     if model.embed is not None:
@@ -58,6 +70,11 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
     if tail:
         wrap(tail, dp_mesh)
     wrap(model, dp_mesh)
+
+
+def _on_gloo(mesh) -> bool:
+    groups = [mesh.get_group(i) for i in range(mesh.ndim)]
+    return any(dist.get_backend(g) == "gloo" for g in groups)
 
 
 def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
@@ -93,7 +110,7 @@ def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: 
     replicated copies count once, shards count once each, pipeline stages are disjoint.
     """
     cfg = mesh.cfg
-    ranks_per_stage = cfg.dp * cfg.tp
+    ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
     grads: list[torch.Tensor] = []
     squares: list[torch.Tensor] = []
     for name, p in named_params:

@@ -3,18 +3,27 @@
 Rank layout (row-major, the last dimension varies fastest, so TP peers are neighbours and land on
 one node first, as in Megatron):
 
-    world = pp × dp × tp          mesh dims ("pp", "edp", "ep", "tp"), dp = edp × ep
+    world = pp × dp × cp × tp     mesh dims ("pp", "rep", "edps", "cp", "ep", "tp")
+    dp = rep × edps × ep          rep: HSDP replicas (1 unless dp_mode=hsdp)
 
 Expert parallelism is carved out of the data-parallel ranks (Megatron, torchtitan): the dp ranks
-of one pipeline stage and TP position are split into groups of `ep` consecutive ranks.
+of one pipeline stage, context chunk and TP position are split into groups of `ep` consecutive
+ranks.
 
-  - "ep"  group: the ep ranks that exchange tokens by all-to-all; each holds E/ep different experts.
-  - "edp" group: the dp/ep ranks that hold the *same* experts; expert gradients are reduced here
-    only (and divided by dp, because the all-to-all already summed the ep ranks' contributions).
-  - "dp"  = ("edp", "ep") flattened: every data-parallel rank; dense gradients are reduced here.
+  - "ep"     the ep ranks that exchange tokens by all-to-all; each holds E/ep different experts.
+  - "cp"     the ranks holding the chunks of the same sequences (context parallelism).
+  - "dp_cp"  every rank holding the same dense weights: ("rep", "edps", "cp", "ep") flattened.
+             Dense gradients are averaged here: the cp ranks saw different tokens of the same
+             sequences, the dp ranks different sequences.
+  - "edp_cp" the ranks holding the same experts: ("rep", "edps", "cp"). Expert gradients are
+             reduced here and divided by dp × cp, because the all-to-all already summed the
+             contributions of the ep ranks' tokens.
+  - "hsdp" / "ehsdp"  the 2-D (replicate, shard) meshes of HSDP for dense and expert weights:
+             ("rep", ("edps", "cp", "ep")) and ("rep", ("edps", "cp")).
 
-The rule is therefore `ep | dp` (not `ep | dp × tp`): experts are replicated over TP
-(expert-TP = 1), and each TP rank runs its own, identical, all-to-all.
+Routed experts are replicated over TP (etp = 1, each TP rank runs its own, identical, all-to-all)
+or split over it (etp = tp, expert_tensor_parallel.py). The data-parallel rank ("dp", the batch
+slice a rank reads) is a coordinate, not a group: no collective runs over dp alone.
 
 `layout_problems` checks a layout against the launch before any process group starts, so a bad
 layout fails with the rule named instead of hanging in a collective.
@@ -22,13 +31,16 @@ layout fails with the rule named instead of hanging in a collective.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetron.parallel.config import ParallelConfig
 
-MESH_DIMS = ("pp", "edp", "ep", "tp")
+MESH_DIMS = ("pp", "rep", "edps", "cp", "ep", "tp")
+# Flattened groups: name → the mesh dims they join.
+FLAT_DIMS = {"dp_cp": ("rep", "edps", "cp", "ep"), "edp_cp": ("rep", "edps", "cp"),
+             "shard_cp": ("edps", "cp", "ep"), "eshard_cp": ("edps", "cp")}
 
 
 def layout_problems(cfg: ParallelConfig, world_size: int) -> list[tuple[str, object, str]]:
@@ -37,7 +49,7 @@ def layout_problems(cfg: ParallelConfig, world_size: int) -> list[tuple[str, obj
     if out:
         return out
     if cfg.world_size != world_size:
-        out.append(("pp × dp × tp", f"{cfg.pp} × {cfg.dp} × {cfg.tp} = {cfg.world_size}",
+        out.append(("pp × dp × cp × tp", f"{cfg.pp} × {cfg.dp} × {cfg.cp} × {cfg.tp} = {cfg.world_size}",
                     f"must equal the number of launched ranks ({world_size})"))
     return out
 
@@ -48,25 +60,40 @@ def check_layout(cfg: ParallelConfig, world_size: int) -> None:
         raise ValueError(f"parallel.{key} = {value}: {rule}")
 
 
+def mesh_shape(cfg: ParallelConfig) -> tuple[int, ...]:
+    """Sizes of MESH_DIMS for `cfg`."""
+    rep = cfg.dp // cfg.shard_group
+    return (cfg.pp, rep, cfg.shard_group // cfg.ep, cfg.cp, cfg.ep, cfg.tp)
+
+
 @dataclass(frozen=True)
 class ParallelMesh:
-    """The job's mesh and the coordinates of this rank on it.
-
-    `mesh` has dims ("pp", "edp", "ep", "tp"); `sub("dp")` is ("edp", "ep") flattened.
-    """
+    """The job's mesh and the coordinates of this rank on it."""
 
     mesh: DeviceMesh
-    dp_mesh: DeviceMesh  # the flattened ("edp", "ep") dim, kept here rather than looked up by name
     cfg: ParallelConfig
+    flat: dict[str, DeviceMesh] = field(default_factory=dict)
 
     def sub(self, dim: str) -> DeviceMesh:
-        """The 1-D mesh of `dim` ("pp", "dp", "edp", "ep", "tp") this rank belongs to."""
-        return self.dp_mesh if dim == "dp" else self.mesh[dim]
+        """The mesh of `dim`: one of MESH_DIMS, a FLAT_DIMS name, or "hsdp"/"ehsdp" (2-D)."""
+        if dim in self.flat:
+            return self.flat[dim]
+        if dim == "hsdp":
+            return self.mesh["rep", "shard_cp"]
+        if dim == "ehsdp":
+            return self.mesh["rep", "eshard_cp"]
+        return self.mesh[dim]
 
     def size(self, dim: str) -> int:
+        if dim == "dp":
+            return self.cfg.dp
         return self.sub(dim).size()
 
     def rank(self, dim: str) -> int:
+        if dim == "dp":
+            # Which slice of the global batch this rank reads: (rep, edps, ep) row-major.
+            rep, edps, ep = (self.mesh[d].get_local_rank() for d in ("rep", "edps", "ep"))
+            return (rep * self.mesh["edps"].size() + edps) * self.cfg.ep + ep
         return self.sub(dim).get_local_rank()
 
     def group(self, dim: str):
@@ -84,6 +111,6 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str = "cpu") -
     sub-group is created.
     """
     check_layout(cfg, world_size)
-    shape = (cfg.pp, cfg.dp // cfg.ep, cfg.ep, cfg.tp)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(mesh, mesh["edp", "ep"]._flatten("dp"), cfg)
+    mesh = init_device_mesh(device_type, mesh_shape(cfg), mesh_dim_names=MESH_DIMS)
+    flat = {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items()}
+    return ParallelMesh(mesh, cfg, flat)

@@ -154,7 +154,9 @@ class ParallelModel:
         stages — the numbers one process would report for the same global batch."""
         holds_ce = self.pipeline is None or self.pipeline.has_last
         counts = self.mesh.rank("tp") == 0  # tp ranks hold copies of the same values
-        t = torch.stack([ce.detach().float() * (holds_ce and counts), aux.detach().float() * counts]) / self.cfg.dp
+        # cp ranks hold equal shares of each sequence: the mean of their means is the sequence's.
+        t = torch.stack([ce.detach().float() * (holds_ce and counts), aux.detach().float() * counts])
+        t = t / (self.cfg.dp * self.cfg.cp)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t)
         # NOTE: host-device sync to read the losses.

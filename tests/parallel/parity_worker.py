@@ -86,6 +86,9 @@ CASES = {
     "pp2_tp2": (dict(pp=2, tp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
     "pp2_tp2_sp": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"), {}, 1),
     "pp2_dp2_interleaved": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), {}, 1),
+    # HSDP: shard over 2 ranks, replicate over 2 groups; experts (ep2) replicated across the groups.
+    "hsdp2x2": (dict(dp=4, dp_mode="hsdp", dp_shard=2), {}, 2),
+    "hsdp2x2_ep2": (dict(dp=4, ep=2, dp_mode="hsdp", dp_shard=2), {}, 1),
     "pp2_dp2_tp2_ep2": (dict(pp=2, dp=2, tp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
 }
 
