@@ -179,7 +179,7 @@ def load_config(path: str | Path, overrides: list[str] = (), *, world_size: int 
 
     `world_size`, when known (the launch's ranks, a Slurm allocation's GPUs), fills in `parallel.dp`
     if neither the preset nor an override gives it, as Megatron-LM and torchtitan do:
-    dp = world_size / (pp × tp). A `dp` that is given is kept, and checked against the launch later.
+    dp = world_size / (pp × cp × tp). A `dp` that is given is kept, and checked against the launch later.
     """
     path = Path(path)
     data = read_yaml_with_base(path)
@@ -199,13 +199,13 @@ def _infer_dp(data: dict[str, Any], world_size: int) -> None:
     par = data.setdefault("parallel", {})
     if not isinstance(par, dict) or par.get("dp") is not None:
         return
-    pp, tp = par.get("pp", 1), par.get("tp", 1)
-    if not (isinstance(pp, int) and isinstance(tp, int) and pp >= 1 and tp >= 1):
+    pp, cp, tp = par.get("pp", 1), par.get("cp", 1), par.get("tp", 1)
+    if not all(isinstance(v, int) and v >= 1 for v in (pp, cp, tp)):
         return  # the field checks name the bad value
-    if world_size % (pp * tp):
-        raise ConfigError(f"parallel.pp × tp = {pp} × {tp} = {pp * tp}: must divide the number of launched "
-                          f"ranks ({world_size}) so that parallel.dp can be inferred")
-    par["dp"] = world_size // (pp * tp)
+    if world_size % (pp * cp * tp):
+        raise ConfigError(f"parallel.pp × cp × tp = {pp} × {cp} × {tp} = {pp * cp * tp}: must divide the number of "
+                          f"launched ranks ({world_size}) so that parallel.dp can be inferred")
+    par["dp"] = world_size // (pp * cp * tp)
 
 
 def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -364,6 +364,14 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
     if p.pp > 1 and micro % p.microbatches:
         out.append(("parallel.microbatches", p.microbatches,
                     f"must divide the per-rank micro-batch ({micro} sequences)"))
+    if p.cp > 1 and t.seq_len % (2 * p.cp):
+        out.append(("train.seq_len", t.seq_len,
+                    f"must be divisible by 2 × parallel.cp ({2 * p.cp}): each cp rank holds two equal chunks"))
+    if p.cp > 1 and p.sequence_parallel and p.tp > 1 and (t.seq_len // p.cp) % p.tp:
+        out.append(("train.seq_len", t.seq_len,
+                    f"/ parallel.cp ({p.cp}) must be divisible by parallel.tp ({p.tp}) with sequence_parallel"))
+    if p.etp > 1 and m.moe.enabled and m.d_expert_ff % p.etp:
+        out.append(("parallel.etp", p.etp, f"must divide the expert hidden size ({m.d_expert_ff})"))
     if p.pp > 1 and m.tie_embeddings:
         out.append(("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) with parallel.pp > 1"))
     if p.sequence_parallel and p.tp > 1:
@@ -376,6 +384,6 @@ def validate_launch(cfg: Config, world_size: int) -> None:
     """Check the layout against the launched ranks, before any process group starts."""
     p = cfg.parallel
     if p.world_size != world_size:
-        raise ConfigError(f"parallel.pp × dp × tp = {p.pp} × {p.dp} × {p.tp} = {p.world_size}: must equal the "
-                          f"number of launched ranks ({world_size}); leave parallel.dp out to infer it "
-                          f"(dp = ranks / (pp × tp))")
+        raise ConfigError(f"parallel.pp × dp × cp × tp = {p.pp} × {p.dp} × {p.cp} × {p.tp} = {p.world_size}: must "
+                          f"equal the number of launched ranks ({world_size}); leave parallel.dp out to infer it "
+                          f"(dp = ranks / (pp × cp × tp))")

@@ -80,12 +80,12 @@ def tasks_per_node(world_size: int, nodes: int, gpus_per_node: int) -> int:
         if nodes * gpus_per_node != world_size:
             raise SlurmError(
                 f"--nodes {nodes} × --gpus-per-node {gpus_per_node} = {nodes * gpus_per_node} GPUs, but the layout "
-                f"needs parallel.pp × dp × tp = {world_size} ranks; change the nodes/GPUs or the parallel sizes"
+                f"needs parallel.pp × dp × cp × tp = {world_size} ranks; change the nodes/GPUs or the parallel sizes"
             )
         return gpus_per_node
     if world_size % nodes:
         raise SlurmError(
-            f"--nodes {nodes} does not divide the layout's parallel.pp × dp × tp = {world_size} ranks "
+            f"--nodes {nodes} does not divide the layout's parallel.pp × dp × cp × tp = {world_size} ranks "
             f"({world_size} / {nodes} is not whole); use a node count that divides {world_size}"
         )
     return world_size // nodes

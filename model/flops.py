@@ -206,18 +206,24 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
 
 
 def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int = 1, tp: int = 1, ep: int = 1,
-                    dp: int = 1, dp_shard: bool = True, sequence_parallel: bool = False,
-                    microbatches_in_flight: int | None = None, flash_attention: bool = True,
-                    param_bytes: int = 4, grad_bytes: int = 4, optimizer_bytes: int = 8,
-                    activation_bytes: int = 2) -> MemoryEstimate:
+                    dp: int = 1, cp: int = 1, etp: int = 1, dp_mode: str = "fsdp", dp_shard: int = 0,
+                    sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
+                    flash_attention: bool = True, param_bytes: int = 4, grad_bytes: int = 4,
+                    optimizer_bytes: int = 8, activation_bytes: int = 2) -> MemoryEstimate:
     """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank.
 
     Layers are split evenly over `pp` stages; the first holds the embedding, the last the head.
-    Dense weights are split by `tp`; expert weights by `ep × tp`. With `dp_shard` (FSDP/ZeRO-3)
-    weights, grads and optimizer state are also split over the data-parallel ranks (expert weights
-    over dp / ep of them). Activations are those of `microbatches_in_flight` micro-batches (1F1B
-    keeps `pp` on the first stage) plus the fp32 logits and their gradient on the last stage.
-    Activation checkpointing, fragmentation and communication buffers are not included.
+    Dense weights are split by `tp`; routed expert weights by `ep × etp` (etp = 1 replicates them
+    over tp). The ranks holding the same weights are the dp × cp ones (experts: dp / ep × cp);
+    how much of that copy a rank keeps depends on `dp_mode`:
+      fsdp   weights, grads and optimizer state split over all of them (ZeRO-3)
+      hsdp   the same inside a shard group of `dp_shard` data-parallel ranks × cp
+      zero1  weights and grads whole, optimizer state split over all of them (ZeRO-1)
+      ddp    everything whole
+    Activations are those of `microbatches_in_flight` micro-batches (1F1B keeps `pp` on the first
+    stage) of S / cp tokens per sequence, plus the K/V gathered from the other cp ranks, plus the
+    fp32 logits and their gradient on the last stage. Activation checkpointing, fragmentation and
+    communication buffers are not included.
     """
     n_dense, n_moe = _layer_counts(cfg)
     total_weights = matmul_params(cfg, active=False)
@@ -231,23 +237,30 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
     else:
         dense_rank = stage_layers + max(params_embedding(cfg), head)
     dense_rank /= tp
-    expert_rank = expert / pp / (ep * tp)
-    if dp_shard:
-        dense_rank /= dp
-        expert_rank /= max(dp // ep, 1)
-    params = dense_rank + expert_rank
+    expert_rank = expert / pp / (ep * etp)
+    shard = dp_shard if dp_mode == "hsdp" and dp_shard else dp
+    dense_split, expert_split = shard * cp, max(shard // ep, 1) * cp
+    held = dense_rank + expert_rank
+    if dp_mode in ("fsdp", "hsdp"):
+        held = dense_rank / dense_split + expert_rank / expert_split
+    optimizer_held = held
+    if dp_mode == "zero1":
+        optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
 
     per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
                                               flash_attention=flash_attention, seq_len=seq_len)
     layer_elements = (n_dense * per_token["dense_layer"] + n_moe * per_token["moe_layer"]) / pp
-    tokens = seq_len * micro_batch
+    tokens = seq_len // cp * micro_batch
+    # Context parallelism keeps the K/V of the other cp ranks' positions for backward.
+    layer_elements += (cfg.n_layers / pp) * 2 * cfg.kv_heads * cfg.dim_head / tp * (seq_len - seq_len // cp) / max(
+        seq_len // cp, 1)
     in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
     logits = tokens * cfg.vocab_size / tp * 2 * 4  # fp32 logits and their gradient
     first = layer_elements * tokens * in_flight * activation_bytes
     last = layer_elements * tokens * activation_bytes + logits
     activations = max(first, last) if pp > 1 else first + logits
-    return MemoryEstimate(weights=int(params * param_bytes), grads=int(params * grad_bytes),
-                          optimizer=int(params * optimizer_bytes), activations=int(activations))
+    return MemoryEstimate(weights=int(held * param_bytes), grads=int(held * grad_bytes),
+                          optimizer=int(optimizer_held * optimizer_bytes), activations=int(activations))
 
 
 # ---------------------------------------------------------------------------------------------

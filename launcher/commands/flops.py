@@ -107,7 +107,8 @@ def _print_tables(cfg, acct: dict, rows) -> None:
     m, lay = cfg.model, acct["layout"]
     title = (f"{cfg.run_name}: L={m.n_layers} D={m.d_model} H={m.n_heads}/{m.kv_heads} "
              + (f"E={m.moe.num_experts} top-{m.moe.top_k}" if m.moe.enabled else "dense")
-             + f"  · layout pp={lay['pp']} tp={lay['tp']} ep={lay['ep']} dp={lay['dp']} ({lay['dp_mode']})")
+             + f"  · layout pp={lay['pp']} tp={lay['tp']} cp={lay['cp']} ep={lay['ep']} etp={lay['etp']} "
+             + f"dp={lay['dp']} ({lay['dp_mode']}" + (f", shard {lay['dp_shard']}" if lay['dp_mode'] == "hsdp" else "") + ")")
     summary = Table(title=title, title_justify="left")
     summary.add_column("field", no_wrap=True)
     summary.add_column("value", justify="right", no_wrap=True)

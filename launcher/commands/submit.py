@@ -12,7 +12,7 @@ def register(sub) -> None:
     p = sub.add_parser(
         "submit", help="submit a training job to Slurm",
         description="Submit a Slurm batch job that trains CONFIG: one task per GPU (on CPU-only nodes, "
-                    "the layout's parallel.pp × dp × tp ranks), every task started by srun. Ahead of "
+                    "the layout's parallel.pp × dp × cp × tp ranks), every task started by srun. Ahead of "
                     "the time limit, or when preempted, every rank finishes its step and checkpoints; "
                     "the job then requeues itself (up to --requeue-limit times) and resumes into the "
                     "same run folder. The batch script and the resolved config are written to "

@@ -90,7 +90,7 @@ def test_dp_follows_the_world_size_when_left_out():
     cfg = load_config(CONFIGS / "tiny.yaml", ["parallel.pp=2", "parallel.microbatches=2"], world_size=8)
     assert cfg.parallel.dp == 4
     assert load_config(CONFIGS / "tiny.yaml").parallel.dp == 1  # no launch known: one data-parallel rank
-    with pytest.raises(ConfigError, match=r"parallel.pp × tp = 1 × 2 = 2: must divide the number of launched ranks \(3\)"):
+    with pytest.raises(ConfigError, match=r"parallel.pp × cp × tp = 1 × 1 × 2 = 2: must divide the number of launched ranks \(3\)"):
         load_config(CONFIGS / "tiny.yaml", ["parallel.tp=2"], world_size=3)
 
 

@@ -44,7 +44,7 @@ def one_line(err: str) -> str:
 
 def test_one_task_per_gpu_must_cover_the_layout():
     assert tasks_per_node(16, 2, 8) == 8
-    with pytest.raises(SlurmError, match=r"--nodes 2 × --gpus-per-node 4 = 8 GPUs, but the layout needs parallel.pp × dp × tp = 16"):
+    with pytest.raises(SlurmError, match=r"--nodes 2 × --gpus-per-node 4 = 8 GPUs, but the layout needs parallel.pp × dp × cp × tp = 16"):
         tasks_per_node(16, 2, 4)
 
 
@@ -75,7 +75,7 @@ def test_missing_config_is_refused(no_cluster, capsys):
 def test_world_size_mismatch_shows_the_arithmetic(no_cluster, capsys):
     assert submit("parallel.dp=2", "parallel.tp=2", "--nodes", "1", "--gpus-per-node", "8") == 2
     err = one_line(capsys.readouterr().err)
-    assert "--nodes 1 × --gpus-per-node 8 = 8 GPUs" in err and "parallel.pp × dp × tp = 4" in err
+    assert "--nodes 1 × --gpus-per-node 8 = 8 GPUs" in err and "parallel.pp × dp × cp × tp = 4" in err
     assert not Path("runs").exists()  # no script written, so none submitted
 
 

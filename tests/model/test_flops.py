@@ -103,16 +103,39 @@ def test_memory_per_rank_splits_by_layout():
     assert one.grads == one.weights and one.optimizer == 2 * one.weights
     assert one.total == one.weights + one.grads + one.optimizer + one.activations
     experts = flops.matmul_params(cfg, active=False)["experts"]
-    ep = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, ep=4, dp=4, dp_shard=False)
+    ep = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, ep=4, dp=4, dp_mode="ddp")
     assert one.weights - ep.weights == pytest.approx(experts * 4 * 3 / 4, rel=1e-6)
-    fsdp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, dp=4, dp_shard=True)
+    fsdp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, dp=4, dp_mode="fsdp")
     assert fsdp.weights == pytest.approx(one.weights / 4, rel=1e-6) and fsdp.activations == one.activations
-    tp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, tp=2)
+    tp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, tp=2, etp=2)
     assert tp.weights == pytest.approx(one.weights / 2, rel=1e-6) and tp.activations < one.activations
+    # etp = 1: routed experts stay whole on every tp rank.
+    tp_replicated = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, tp=2)
+    assert tp_replicated.weights - tp.weights == pytest.approx(experts * 4 / 2, rel=1e-6)
     eager = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, flash_attention=False)
     assert eager.activations > one.activations
     pp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, pp=2, microbatches_in_flight=2)
     assert pp.weights < one.weights
+
+
+def test_memory_per_rank_by_data_parallel_mode():
+    """DP4 on one copy of the weights: FSDP splits all three by 4; HSDP 2 × 2 by 2; ZeRO-1 only
+    the optimizer state by 4; replication nothing. Context parallelism adds cp to the split and
+    divides the tokens a rank holds."""
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, vocab_size=256,
+                      moe=MoEConfig(num_experts=8, top_k=2))
+    kw = dict(seq_len=128, micro_batch=2, dp=4)
+    ddp = flops.memory_per_rank(cfg, dp_mode="ddp", **kw)
+    fsdp = flops.memory_per_rank(cfg, dp_mode="fsdp", **kw)
+    hsdp = flops.memory_per_rank(cfg, dp_mode="hsdp", dp_shard=2, **kw)
+    zero1 = flops.memory_per_rank(cfg, dp_mode="zero1", **kw)
+    assert ddp.weights == flops.params_total(cfg) * 4
+    assert fsdp.weights == pytest.approx(ddp.weights / 4, rel=1e-6) and fsdp.optimizer == pytest.approx(ddp.optimizer / 4, rel=1e-6)
+    assert hsdp.weights == pytest.approx(ddp.weights / 2, rel=1e-6) and hsdp.grads == pytest.approx(ddp.grads / 2, rel=1e-6)
+    assert zero1.weights == ddp.weights and zero1.grads == ddp.grads
+    assert zero1.optimizer == pytest.approx(ddp.optimizer / 4, rel=1e-6)
+    cp = flops.memory_per_rank(cfg, dp_mode="fsdp", cp=2, **kw)
+    assert cp.weights == pytest.approx(fsdp.weights / 2, rel=1e-6) and cp.activations < fsdp.activations
 
 
 def test_accounting_has_the_documented_fields():

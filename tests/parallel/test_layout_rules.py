@@ -42,6 +42,15 @@ def cfg_with(*overrides):
     (["parallel.pp=2", "parallel.microbatches=2", "model.tie_embeddings=true"], "cannot tie"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15"], "divisible by parallel.tp"),
     (["model.moe.num_experts=0", "parallel.dp=2", "parallel.ep=2"], "needs an MoE model"),
+    (["parallel.cp=3"], "divisible by 2 × parallel.cp (6)"),
+    (["model.n_kv_heads=4", "parallel.cp=2", "parallel.tp=4", "parallel.sequence_parallel=true", "train.seq_len=20"],
+     "/ parallel.cp (2) must be divisible by parallel.tp (4)"),
+    (["parallel.tp=2", "parallel.etp=3"], "must be 1 (experts replicated over tp) or tp (2)"),
+    (["parallel.dp=4", "parallel.dp_mode=hsdp", "parallel.dp_shard=3"], "must divide dp (4) for dp_mode=hsdp"),
+    (["parallel.dp=4", "parallel.dp_mode=hsdp"], "must divide dp (4) for dp_mode=hsdp"),
+    (["parallel.dp=4", "parallel.ep=4", "parallel.dp_mode=hsdp", "parallel.dp_shard=2"], "must be a multiple of ep (4)"),
+    (["parallel.dp=2", "parallel.dp_shard=2"], "only applies to dp_mode=hsdp"),
+    (["parallel.dp_mode=zero3"], "must be one of"),
 ])
 def test_bad_layouts_name_the_rule(overrides, rule):
     with pytest.raises(ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):
@@ -56,6 +65,10 @@ def test_world_size_must_match_the_launch():
     with pytest.raises(ValueError, match="must equal the number of launched ranks"):
         check_layout(ParallelConfig(pp=2, dp=2, microbatches=2), 8)
     assert layout_problems(ParallelConfig(pp=2, dp=2, tp=2, microbatches=2), 8) == []
+    # Context parallelism is a factor of the world: pp × dp × cp × tp.
+    assert layout_problems(ParallelConfig(dp=2, cp=2, tp=2), 8) == []
+    with pytest.raises(ValueError, match=r"pp × dp × cp × tp = 1 × 2 × 2 × 1 = 4: must equal"):
+        check_layout(ParallelConfig(dp=2, cp=2), 2)
 
 
 def test_stages_are_placed_in_loops_and_keep_full_model_names():
