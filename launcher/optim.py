@@ -8,10 +8,14 @@ import torch
 from torch import nn
 
 from moetron.launcher.config import TrainConfig
+from moetron.parallel.sharded_optimizer import Owner, ShardedAdamW
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """Matrices and expert weights decay; norms, biases and embeddings do not (GPT-2, Megatron)."""
+def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Owner] | None = None) -> torch.optim.AdamW:
+    """Matrices and expert weights decay; norms, biases and embeddings do not (GPT-2, Megatron).
+
+    With `owners` (dp_mode=zero1, `assign_owners`) each rank keeps and updates only its own
+    parameters' state (parallel/sharded_optimizer.py)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -19,7 +23,10 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
         (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False keeps the update order, and so the result, independent of how params are grouped.
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
+    if owners is not None:
+        return ShardedAdamW(groups, owners=owners, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_steps: int | None = None) -> float:

@@ -36,10 +36,11 @@ from moetron.launcher.optim import build_optimizer, lr_at, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model.transformer import Decoder, build_model
-from moetron.parallel.checkpoint import Checkpointer, ExpertShards, load_checkpoint
+from moetron.parallel.checkpoint import Checkpointer, load_checkpoint
 from moetron.parallel.expert_bias import biased_routers, clear_expert_counts, update_expert_biases
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
+from moetron.parallel.sharded_optimizer import assign_owners
 
 
 class StopFlag:
@@ -244,14 +245,16 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
     model = pm.module  # all of this rank's parameters, whatever the pipeline schedule
     for part in pm.modules:
         part.set_kernel_backend(cfg.kernel.backend)
-    optimizer = build_optimizer(model, t)
+    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if cfg.parallel.dp_mode == "zero1" else None
+    optimizer = build_optimizer(model, t, owners=owners)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
     step, tokens, elapsed = 0, 0, 0.0
     guard = SkipGuard(t.max_skipped_steps)
     decay_steps = t.lr_decay_steps or t.steps
-    # Routed experts are plain row blocks per ep rank; the checkpoint stores them as one tensor.
-    ep_shards = ExpertShards(frozenset(pm.expert_sharded), pm.mesh.sub("ep")) if pm.expert_sharded else None
+    # Routed experts are plain pieces per ep (and, with etp = tp, tp) rank; the checkpoint stores
+    # each weight as one tensor.
+    ep_shards = pm.expert_shards()
     if run.resume_from is not None:
         state = load_checkpoint(run.resume_from, model, optimizer, expert_shards=ep_shards)
         step, tokens, elapsed = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
