@@ -83,6 +83,8 @@ class TrainConfig:
     # Intra-op CPU threads; 0 keeps torch's default.
     threads: int = 0
     compile: bool = False
+    # Recompute each block in backward instead of keeping its activations ("full").
+    activation_checkpoint: Literal["none", "full"] = "none"
     # Per-device peak FLOP/s (in TFLOP/s) that MFU is measured against; 0: the GPU's bf16 dense
     # peak from a table, or on CPU a matmul peak measured once and cached.
     peak_tflops: float = 0.0

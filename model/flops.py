@@ -22,6 +22,7 @@ The convention (printed by `moetron flops`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from moetron.model.config import ModelConfig
@@ -38,8 +39,9 @@ CONVENTION = ("6 FLOPs per active weight per token (fwd + input grad + weight gr
 # Parameters
 
 
+@functools.lru_cache(maxsize=64)
 def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
-    """(dense layers, MoE layers)."""
+    """(dense layers, MoE layers); cached, as the layout planner asks it thousands of times."""
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     return cfg.n_layers - moe, moe
 
@@ -179,10 +181,11 @@ class MemoryEstimate:
 
 
 def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                                  flash_attention: bool = True, seq_len: int = 0) -> dict[str, float]:
+                                  flash_attention: bool = True, seq_len: int = 0, etp: int = 1) -> dict[str, float]:
     """Elements saved for backward per token by one dense and one MoE layer (Korthikanti et al.
-    2022, counted for this implementation). Head- and hidden-sized tensors are split by TP;
-    D-sized ones only under sequence parallelism. Eager attention also keeps the S-long scores
+    2022, counted for this implementation). Head- and hidden-sized tensors are split by TP (a routed
+    expert's hidden ones by etp: 1 keeps them whole on every tp rank); D-sized ones only under
+    sequence parallelism. Eager attention also keeps the S-long scores
     and probabilities of every head."""
     D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     d_split = tp if sequence_parallel else 1
@@ -200,7 +203,7 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
     if moe.enabled:
         # Router input and probabilities in fp32 (counted double), then per route: the
         # dispatched row, the expert's hidden tensors and its output row.
-        routed = 2 * (D + moe.num_experts) + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / tp)
+        routed = 2 * (D + moe.num_experts) + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp)
         routed += hidden * moe.shared_expert_d_ff / tp
     return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
 
@@ -208,7 +211,8 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
 def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int = 1, tp: int = 1, ep: int = 1,
                     dp: int = 1, cp: int = 1, etp: int = 1, dp_mode: str = "fsdp", dp_shard: int = 0,
                     sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
-                    flash_attention: bool = True, param_bytes: int = 4, grad_bytes: int = 4,
+                    flash_attention: bool = True, activation_checkpoint: bool = False,
+                    param_bytes: int = 4, grad_bytes: int = 4,
                     optimizer_bytes: int = 8, activation_bytes: int = 2) -> MemoryEstimate:
     """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank.
 
@@ -222,8 +226,9 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
       ddp    everything whole
     Activations are those of `microbatches_in_flight` micro-batches (1F1B keeps `pp` on the first
     stage) of S / cp tokens per sequence, plus the K/V gathered from the other cp ranks, plus the
-    fp32 logits and their gradient on the last stage. Activation checkpointing, fragmentation and
-    communication buffers are not included.
+    fp32 logits and their gradient on the last stage. With `activation_checkpoint` a block keeps
+    only its input (D per token, split by tp under sequence parallel) and one block at a time holds
+    everything while it is recomputed. Fragmentation and communication buffers are not included.
     """
     n_dense, n_moe = _layer_counts(cfg)
     total_weights = matmul_params(cfg, active=False)
@@ -248,8 +253,12 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
         optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
 
     per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
-                                              flash_attention=flash_attention, seq_len=seq_len)
+                                              flash_attention=flash_attention, seq_len=seq_len, etp=etp)
     layer_elements = (n_dense * per_token["dense_layer"] + n_moe * per_token["moe_layer"]) / pp
+    if activation_checkpoint:
+        d_split = tp if sequence_parallel else 1
+        layer_elements = cfg.n_layers / pp * cfg.d_model / d_split + max(
+            per_token["dense_layer"] if n_dense else 0.0, per_token["moe_layer"] if n_moe else 0.0)
     tokens = seq_len // cp * micro_batch
     # Context parallelism keeps the K/V of the other cp ranks' positions for backward.
     layer_elements += (cfg.n_layers / pp) * 2 * cfg.kv_heads * cfg.dim_head / tp * (seq_len - seq_len // cp) / max(

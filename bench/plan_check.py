@@ -1,0 +1,224 @@
+"""`moetron plan`'s predictions against measured runs: memory per rank, communication bytes and step
+time of several layouts of one config on 4 gloo ranks, with the calibrated `cpu` profile.
+
+    python -m moetron plan --calibrate          # once, on a quiet machine
+    python bench/plan_check.py                  # ~3 min on 2 cores
+    python bench/plan_check.py --layouts dp4_fsdp tp2_ep2 --steps 6
+
+One `torchrun --nproc-per-node 4` launch runs each layout in turn with the trainer's pieces
+(`build_parallel_model`, `build_optimizer`, `train_step`): two warm-up steps, then `--steps` timed
+steps (median, all ranks in step), one step under bench/comm_volume.py's `CollectiveCounter`
+(bytes summed over ranks, nccl-tests' size), and one under an allocator probe:
+  memory, measured  bytes of this rank's parameters and optimizer state (counted tensors) plus the
+                    rise of glibc's in-use heap (mallinfo2: arena + mmapped blocks) from before the
+                    step to its highest point, read after every operator (grads, activations,
+                    communication buffers, temporaries); the largest rank is reported.
+  memory, predicted `launcher.planner.predict_memory` (weights + grads + optimizer + activations +
+                    buffers).
+Then it prints predicted against measured for each layout, the ratio, Kendall's tau between the
+predicted and measured order of step times, and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+BASE = ["train.batch_size=16", "train.seq_len=128", "train.precision=fp32", "train.threads=1", "train.peak_tflops=1"]
+RANKS = 4
+LAYOUTS = {
+    "tp2_ep2": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
+    "pp2_dp2_1f1b": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"],
+    "pp2_dp2_interleaved": ["parallel.pp=2", "parallel.dp=2", "parallel.vpp=2", "parallel.microbatches=2",
+                            "parallel.schedule=interleaved_1f1b"],
+    "dp4_fsdp": ["parallel.dp=4"],
+    "dp4_ddp": ["parallel.dp=4", "parallel.dp_mode=ddp"],
+    "dp4_zero1": ["parallel.dp=4", "parallel.dp_mode=zero1"],
+    "ep4": ["parallel.dp=4", "parallel.ep=4"],
+    "dp4_fsdp_ac": ["parallel.dp=4", "train.activation_checkpoint=full"],
+    "tp4": ["parallel.tp=4", "parallel.sequence_parallel=true"],
+}
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+class HeapPeak(TorchDispatchMode):
+    """The highest in-use heap (glibc arena + mmapped blocks) seen after any operator."""
+
+    def __init__(self):
+        super().__init__()
+        libc = ctypes.CDLL("libc.so.6")
+        self._mallinfo2 = libc.mallinfo2
+        self._mallinfo2.restype = _MallInfo2
+        self.start = self.peak = self.in_use()
+
+    def in_use(self) -> int:
+        info = self._mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
+
+
+def layout_config(name: str, world_size: int = RANKS):
+    from moetron.launcher.config import load_config
+
+    return load_config(TINY, [*BASE, *LAYOUTS[name]], world_size=world_size)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def measure(name: str, steps: int) -> dict:
+    import torch.distributed as dist
+
+    from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
+
+    from moetron.launcher.optim import build_optimizer
+    from moetron.launcher.trainer import build_parallel_model, train_step
+    from moetron.parallel.sharded_optimizer import assign_owners
+
+    cfg = layout_config(name)
+    t = cfg.train
+    torch.manual_seed(t.seed)
+    pm = build_parallel_model(cfg, torch.device("cpu"))
+    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if cfg.parallel.dp_mode == "zero1" else None
+    optimizer = build_optimizer(pm.module, t, owners=owners)
+    g = torch.Generator().manual_seed(t.seed)
+
+    def step():
+        batch = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=g)
+        train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
+                   autocast=contextlib.nullcontext)
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    step_s = torch.tensor(statistics.median(times), dtype=torch.float64)
+    dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
+    counter = CollectiveCounter()
+    with counter:
+        step()
+    held = sum(_local(p).nbytes for _, p in pm.named_parameters()) + sum(
+        _local(v).nbytes for s in optimizer.state.values() for v in s.values()
+        if isinstance(v, torch.Tensor) and v.ndim > 0)
+    probe = HeapPeak()
+    with probe:
+        step()
+    mine = {"bytes": sum(counter.bytes.values()), "memory": held + probe.peak - probe.start}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {"layout": name, "step_s": float(step_s), "comm_bytes": sum(e["bytes"] for e in everyone),
+            "memory": max(e["memory"] for e in everyone)}
+
+
+def worker(names: list[str], steps: int) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for name in names:
+            result = measure(name, steps)
+            if dist.get_rank() == 0:
+                print(json.dumps(result), flush=True)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+def predicted(name: str) -> dict:
+    from moetron.launcher.device_profiles import get_profile
+    from moetron.launcher.planner import Layout, predict
+    from moetron.parallel.comm_volume import predict_step
+
+    cfg = layout_config(name)
+    t = cfg.train
+    layout = Layout(cfg.parallel, t.grad_accum, t.activation_checkpoint)
+    p = predict(cfg, layout, get_profile("cpu"), gpus_per_node=RANKS)
+    # Bytes summed over ranks, as measured (the planner works per rank).
+    total = sum(item.bytes for item in predict_step(cfg.model, cfg.parallel, batch=t.batch_size, seq_len=t.seq_len,
+                                                     grad_accum=t.grad_accum))
+    return {"step_s": p.step_s, "comm_bytes": total, "memory": p.memory["total"], "times": p.times}
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a between two orderings of the same items."""
+    n, score = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            score += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)
+    return score / (n * (n - 1) / 2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median)")
+    p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        raise SystemExit(worker(args.worker, args.steps))
+    from moetron.launcher.device_profiles import get_profile
+
+    profile = get_profile("cpu")  # fails early, with the command to run, when not calibrated
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", __file__,
+           "--steps", str(args.steps), "--worker", *args.layouts]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or len(runs) != len(args.layouts):
+        sys.exit(f"the measuring launch failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    rows = []
+    for run in runs:
+        pred = predicted(run["layout"])
+        rows.append({"layout": run["layout"], "measured": {k: run[k] for k in ("step_s", "comm_bytes", "memory")},
+                     "predicted": {k: pred[k] for k in ("step_s", "comm_bytes", "memory")},
+                     "predicted_times": pred["times"]})
+    tau = kendall_tau([r["predicted"]["step_s"] for r in rows], [r["measured"]["step_s"] for r in rows])
+    print(f"tiny config, {BASE}; {RANKS} gloo ranks; cpu profile: {profile.peak_flops / 1e9:.1f} GFLOP/s per rank, "
+          f"bus {profile.intra_bw / 1e9:.2f} GB/s, latency {profile.intra_latency * 1e3:.2f} ms, "
+          f"block overhead {profile.block_overhead * 1e3:.2f} ms")
+    print("| layout | step s pred / meas (ratio) | comm MB pred / meas | memory MiB pred / meas (ratio) |")
+    print("| --- | --- | --- | --- |")
+    for r in rows:
+        pr, me = r["predicted"], r["measured"]
+        print(f"| {r['layout']} | {pr['step_s']:.3f} / {me['step_s']:.3f} ({pr['step_s'] / me['step_s']:.2f}) | "
+              f"{pr['comm_bytes'] / 1e6:.2f} / {me['comm_bytes'] / 1e6:.2f} | "
+              f"{pr['memory'] / 2**20:.1f} / {me['memory'] / 2**20:.1f} ({pr['memory'] / me['memory']:.2f}) |")
+    within_time = sum(abs(r["predicted"]["step_s"] / r["measured"]["step_s"] - 1) <= 0.35 for r in rows)
+    within_mem = sum(abs(r["predicted"]["memory"] / r["measured"]["memory"] - 1) <= 0.15 for r in rows)
+    print(f"Kendall's tau of the step-time order: {tau:.2f}; step time within 35%: {within_time}/{len(rows)}; "
+          f"memory within 15%: {within_mem}/{len(rows)}")
+    print(json.dumps({"tau": tau, "rows": rows, "profile": profile.to_dict()}))
+
+
+if __name__ == "__main__":
+    main()
