@@ -348,3 +348,18 @@ def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int) 
     ranked.sort(key=lambda p: (p.step_s, p.memory["total"]))
     dropped.sort(key=lambda p: p.memory["total"])
     return Plan(ranked, dropped, n)
+
+
+def auto_layout(config: str, overrides: list[str], ranks: int, profile: str, *, gpus_per_node: int) -> list[str]:
+    """The overrides of the layout `plan` ranks first for `config` on `ranks` devices."""
+    from moetron.launcher.config import load_config
+    from moetron.launcher.device_profiles import get_profile
+
+    # The plan chooses the accumulation; the preset's own would only constrain how the batch splits.
+    cfg = load_config(config, [*overrides, "train.grad_accum=1"], world_size=ranks)
+    dev = get_profile(profile)
+    result = plan(cfg, ranks, dev, gpus_per_node=gpus_per_node)
+    if not result.ranked:
+        reason = result.dropped[0].reason if result.dropped else "no valid layout for this many ranks"
+        raise ConfigError(f"--layout auto: no layout of {config} fits on {ranks} × {dev.name}: {reason}")
+    return result.ranked[0].layout.overrides()

@@ -67,10 +67,12 @@ def run(args) -> int:
 
 
 def make_plan(args):
-    from moetron.launcher.config import load_config
+    from moetron.launcher.config import ConfigError, load_config
     from moetron.launcher.device_profiles import get_profile
     from moetron.launcher.planner import plan
 
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: must be >= 1")
     overrides = list(args.overrides)
     if args.global_batch:
         overrides.append(f"train.batch_size={args.global_batch}")

@@ -33,6 +33,12 @@ def register(sub) -> None:
     p.add_argument("--requeue-limit", type=int, metavar="K", help="times the job requeues itself after a checkpoint")
     p.add_argument("--signal-seconds", type=int, metavar="S",
                    help="seconds before the time limit at which the ranks are told to checkpoint")
+    p.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="auto: the parallel layout `moetron plan` ranks first for this allocation (overrides "
+                        "the config's parallel section, gradient accumulation and activation checkpointing)")
+    p.add_argument("--gpu", default=None,
+                   help="device profile for --layout auto: H100, H200, A100, B200; CPU-only nodes use the "
+                        "calibrated cpu profile (moetron plan --calibrate)")
     p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
     p.set_defaults(run=run)
 
@@ -64,6 +70,16 @@ def run(args) -> int:
         signal_seconds=args.signal_seconds)
     if flag_ranks is None and slurm_cfg.gpus_per_node > 0:  # the allocation came from the config's slurm:
         cfg = load_config(args.config, args.overrides, world_size=slurm_cfg.nodes * slurm_cfg.gpus_per_node)
+    if args.layout == "auto":
+        from moetron.launcher.planner import auto_layout
+
+        # GPU nodes: one rank per GPU; CPU-only nodes: as many ranks as the config's layout has.
+        ranks = slurm_cfg.nodes * slurm_cfg.gpus_per_node or cfg.parallel.world_size
+        per_node = slurm_cfg.gpus_per_node or max(ranks // slurm_cfg.nodes, 1)
+        profile = args.gpu or ("cpu" if slurm_cfg.gpus_per_node == 0 else "H100")
+        chosen = auto_layout(args.config, args.overrides, ranks, profile, gpus_per_node=per_node)
+        print(f"moetron submit: --layout auto chose {' '.join(chosen)}", file=sys.stderr)
+        cfg = load_config(args.config, [*args.overrides, *chosen], world_size=ranks)
     sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
     # A dry run works away from a cluster too: where no controller answers it only warns.
     try:
