@@ -52,12 +52,16 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "tp2_etp2": ["parallel.tp=2", "parallel.etp=2"],
+    "tp2_sp_etp2": ["parallel.tp=2", "parallel.etp=2", "parallel.sequence_parallel=true"],
     "ep2": ["parallel.dp=2", "parallel.ep=2"],
     "dp2_fsdp": ["parallel.dp=2"],
     "dp2_ddp": ["parallel.dp=2", "parallel.dp_mode=ddp"],
     "dp2_accum2": ["parallel.dp=2", "train.grad_accum=2"],
     "ep2_capacity": ["parallel.dp=2", "parallel.ep=2", "model.moe.capacity_factor=1.0"],
     "pp2": ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"],
+    "cp2": ["parallel.cp=2"],
+    "cp2_sequence_loss": ["parallel.cp=2", "model.moe.aux_loss_type=sequence"],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 

@@ -8,6 +8,11 @@ backward is counted as twice its forward (the gradient matmuls), not the 2.5× t
 a flash kernel recomputes the scores: recomputation is hardware work, not model work, and the
 analytic side counts model FLOPs.
 
+Under tensor parallelism the counter sees what each rank runs: a DTensor op is let through first
+(the mode answers NotImplemented, as `CommDebugMode` does), and the local matmuls it turns into
+are counted, so a column-parallel projection counts its 1/tp share instead of the global matmul;
+the ops DTensor runs on fake tensors to learn output shapes do no work and are not counted.
+
 Attribution: module hooks keep a stack of the component being run forward; when a component's
 module returns, the autograd nodes it created are tagged with its name, so the backward ops
 (which run outside any module) are charged to the component whose forward created them.
@@ -22,6 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -175,8 +182,12 @@ class ComponentFlopCounter(TorchDispatchMode):
         return self._stack[-1] if self._stack else OTHER
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its local ops (counted on the way back in) instead
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if any(issubclass(t, FakeTensor) for t in types):
+            return out  # DTensor's sharding propagation learning a shape: no real work
         formula = self.formulas.get(str(func.overloadpacket))
         if formula is not None:
             self.counts[self._component()] += int(formula(*args, **kwargs))

@@ -43,15 +43,17 @@ class KVCache:
 
 
 def attention_bias(
-    n_queries: int, n_keys: int, *, causal: bool, slopes_H: torch.Tensor | None, device
+    n_queries: int, n_keys: int, *, causal: bool, slopes_H: torch.Tensor | None, device,
+    q_positions_S: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Additive bias (H or 1, S, L): -inf above the causal diagonal, ALiBi's linear distance penalty.
 
-    Queries are the last `n_queries` of the `n_keys` positions (prefill: equal; decode: one).
+    Keys are positions 0..L−1. Queries are the last `n_queries` of them (prefill: equal; decode:
+    one), or the positions `q_positions_S`, in any order (context parallelism's local tokens).
     """
     if not causal and slopes_H is None:
         return None
-    q_pos = torch.arange(n_keys - n_queries, n_keys, device=device)
+    q_pos = torch.arange(n_keys - n_queries, n_keys, device=device) if q_positions_S is None else q_positions_S
     k_pos = torch.arange(n_keys, device=device)
     bias = torch.zeros(1, n_queries, n_keys, device=device)
     if slopes_H is not None:
@@ -89,6 +91,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        # Context parallelism swaps in an object whose `gather_kv(k_BGSDh, v_BGSDh)` returns the
+        # keys and values of every position of the sequences, in global order
+        # (parallel/context_parallel.py). None: the S local positions are the whole sequence.
+        self.kv_exchange = None
 
     def forward(
         self,
@@ -97,8 +103,16 @@ class Attention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
         alibi_slopes_H: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        positions_S: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`rope` is (cos, sin) for the S new positions; `cache` holds the earlier ones."""
+        """`rope` is (cos, sin) for the S new positions; `cache` holds the earlier ones.
+
+        `positions_S`: the global positions of the S queries when they are not 0..S−1 (context
+        parallelism: two chunks of a longer sequence, whose keys `kv_exchange` gathers). The mask
+        and the ALiBi bias are then built from them, so only the explicit-bias paths apply (eager,
+        or SDPA with a mask, also for backend "triton"): the causal fast paths assume the queries
+        and keys are the same aligned square.
+        """
         B, S, _ = x_BSD.shape
         # Heads are derived from the projection width so tensor parallelism can shard it.
         q_BHSDh = self.wq(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
@@ -108,6 +122,11 @@ class Attention(nn.Module):
             q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, *rope), apply_rope(k_BGSDh, *rope)
         if cache is not None:
             k_BGSDh, v_BGSDh = cache.append(k_BGSDh, v_BGSDh)
+        if positions_S is not None:
+            if self.kv_exchange is not None:
+                k_BGSDh, v_BGSDh = self.kv_exchange.gather_kv(k_BGSDh, v_BGSDh)
+            o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S)
+            return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
         o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H)
         return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
 
@@ -128,6 +147,16 @@ class Attention(nn.Module):
                 q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=bias.to(q_BHSDh.dtype), scale=self.scale,
                 enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
         return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
+
+    def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S) -> torch.Tensor:
+        """Queries at global positions `q_positions_S` over keys at positions 0..L−1."""
+        bias = attention_bias(q_BHSDh.shape[2], k_BGLDh.shape[2], causal=True, slopes_H=slopes_H,
+                              device=q_BHSDh.device, q_positions_S=q_positions_S)
+        if self.backend == "eager":
+            return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
+        return F.scaled_dot_product_attention(
+            q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=bias.to(q_BHSDh.dtype), scale=self.scale,
+            enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
 
     def init_weights(self, std: float, out_std: float) -> None:
         for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):

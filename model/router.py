@@ -17,18 +17,25 @@ The expert choice, weights and group rule equal megatron-core's `topk_routing_wi
 scores, and groups are always chosen on the scores (megatron's pre-softmax path).
 
 The balance loss is Switch's over the micro-batch's routes, or DeepSeek-V3's per sequence
-(`aux_loss_type: sequence`).
+(`aux_loss_type: sequence`). Under context parallelism a rank holds only some positions of each
+sequence: `Router.sequence_sum` then sums the loss's statistics (routes and score sums per expert,
+per sequence for the sequence loss, and token counts) over the ranks holding the rest, so the loss is
+the one process's; capacity is still taken on the local tokens.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from moetron.model.config import MoEConfig
+
+# A differentiable sum of a tensor over the ranks that hold the other positions of the same sequences.
+SequenceSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -64,13 +71,22 @@ def rank_within_expert(expert_TK: torch.Tensor, num_experts: int) -> torch.Tenso
     return rank_A.view(expert_TK.shape[1], -1).t()
 
 
-def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int) -> torch.Tensor:
+def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
+                        sequence_sum: SequenceSum | None = None) -> torch.Tensor:
     """Switch Transformer's E · Σ_e f_e · P_e, with f_e the share of the K·T routes sent to e
     and P_e the mean router probability of e (Fedus et al. 2021; Megatron's top-k form). Equals 1
-    when routing is perfectly uniform."""
+    when routing is perfectly uniform.
+
+    With `sequence_sum`, `counts_E` are already the whole sequences' and the probability sums and
+    token counts are summed by it over the ranks holding the other positions."""
     num_tokens, num_experts = probs_TE.shape
+    if sequence_sum is None:
+        f_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
+        return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
+    sums = sequence_sum(torch.cat([probs_TE.sum(0), probs_TE.new_full((1,), num_tokens)]))
+    P_E, num_tokens = sums[:num_experts] / sums[num_experts], sums[num_experts].detach()
     f_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
-    return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
+    return num_experts * torch.sum(f_E * P_E)
 
 
 def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -89,19 +105,31 @@ def updated_bias(bias_E: torch.Tensor, load_E: torch.Tensor, rate: float) -> tor
     return bias_E + rate * torch.sign(load_E.mean() - load_E)
 
 
-def sequence_balancing_loss(probs_TE: torch.Tensor, num_sequences: int, top_k: int) -> torch.Tensor:
+def sequence_balancing_loss(probs_TE: torch.Tensor, num_sequences: int, top_k: int,
+                            sequence_sum: SequenceSum | None = None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss (eqs. 17–20), averaged over the B sequences of the
     T = B·S tokens (rows sequence-major): per sequence E · Σ_e f_e · P_e, with f_e the share of the
     sequence's K·S top-k routes (of the scores themselves, no bias, no groups) sent to e, and P_e
-    its mean score of e. megatron-core's seq_aux_loss (tests/model/test_router_scores.py)."""
+    its mean score of e. megatron-core's seq_aux_loss (tests/model/test_router_scores.py).
+
+    With `sequence_sum` the S rows of a sequence here are some of its positions: the route counts,
+    score sums and S are summed over the ranks holding the others."""
     T, E = probs_TE.shape
     S = T // num_sequences
     top_TK = torch.topk(probs_TE.detach(), top_k, dim=-1).indices
     counts_BE = torch.zeros(num_sequences, E, dtype=probs_TE.dtype, device=probs_TE.device).scatter_add_(
         1, top_TK.view(num_sequences, S * top_k), torch.ones(num_sequences, S * top_k, dtype=probs_TE.dtype,
                                                              device=probs_TE.device))
-    f_BE = counts_BE / (S * top_k)
-    P_BE = probs_TE.view(num_sequences, S, E).mean(dim=1)
+    if sequence_sum is None:
+        f_BE = counts_BE / (S * top_k)
+        P_BE = probs_TE.view(num_sequences, S, E).mean(dim=1)
+        return E * (f_BE * P_BE).sum(-1).mean()
+    # One exchange: per sequence [score sums (E), route counts (E), positions (1)].
+    local_B2E1 = torch.cat([probs_TE.view(num_sequences, S, E).sum(dim=1), counts_BE,
+                            probs_TE.new_full((num_sequences, 1), S)], dim=1)
+    sums_B2E1 = sequence_sum(local_B2E1)
+    S_B1 = sums_B2E1[:, 2 * E :].detach()
+    P_BE, f_BE = sums_B2E1[:, :E] / S_B1, sums_B2E1[:, E : 2 * E].detach() / (S_B1 * top_k)
     return E * (f_BE * P_BE).sum(-1).mean()
 
 
@@ -129,6 +157,9 @@ class Router(nn.Module):
             self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.expert_bias_E = None
+        # Context parallelism sets this (parallel/context_parallel.py): the balance loss and the
+        # reported route counts are then the whole sequences'. None: the tokens are whole sequences.
+        self.sequence_sum: SequenceSum | None = None
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> Routing:
         """x_TD: the tokens of `num_sequences` sequences, sequence-major (B·S rows)."""
@@ -151,6 +182,10 @@ class Router(nn.Module):
         counts_E = torch.bincount(expert_TK.reshape(-1), minlength=cfg.num_experts)
         if self.training and self.expert_bias_E is not None and not x_TD.is_meta:
             self.routed_E.append(counts_E.detach())
+        if self.sequence_sum is not None:
+            # After the bias's count, which must stay local: update_expert_biases sums over every rank.
+            counts_E = self.sequence_sum(counts_E)
+        # Under context parallelism, capacity is taken on the local tokens (as Megatron does).
         capacity = expert_capacity(x_TD.shape[0], cfg)
         if capacity is None:
             kept_TK = torch.ones_like(expert_TK, dtype=torch.bool)
@@ -170,9 +205,9 @@ class Router(nn.Module):
         if not cfg.aux_loss_coef:
             aux = zero
         elif cfg.aux_loss_type == "sequence":
-            aux = cfg.aux_loss_coef * sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k)
+            aux = cfg.aux_loss_coef * sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k, self.sequence_sum)
         else:
-            aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k)
+            aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k, self.sequence_sum)
         z = cfg.z_loss_coef * router_z_loss(logits_TE) if cfg.z_loss_coef else zero
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()

@@ -85,15 +85,24 @@ class Decoder(nn.Module):
         # Hidden-state input (a pipeline stage after the first) holds 1/sequence_shards of the
         # positions: sequence parallelism splits S between blocks; attention sees all of them.
         self.sequence_shards = 1
+        # Context parallelism: the local positions are two chunks of each longer sequence, and
+        # this maps their number to their global positions (parallel/context_parallel.py), for
+        # position encodings, the causal mask and ALiBi. None: positions 0..S−1 (+ start_pos).
+        self.token_positions = None
 
     def forward(self, x: torch.Tensor, *, caches: list[KVCache] | None = None, start_pos: int = 0) -> ModelOutput:
         """x: token ids (B, S) on the first stage, else hidden states (B, S, D). With `caches`,
         positions start at `start_pos` and each layer's keys and values are appended to its cache."""
         cfg = self.cfg
         S = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards
-        positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
-        h_BSD = self._embed(x, positions_S) if self.embed is not None else x
         attn_kwargs: dict = {}
+        if self.token_positions is not None:
+            if caches is not None:
+                raise ValueError("KV-cache decoding runs on one process, not under context parallelism")
+            positions_S = attn_kwargs["positions_S"] = self.token_positions(S, x.device)
+        else:
+            positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
+        h_BSD = self._embed(x, positions_S) if self.embed is not None else x
         if cfg.position == "rope":
             attn_kwargs["rope"] = rope_cos_sin(positions_S, self.rope_inv_freq)
         elif cfg.position == "alibi":

@@ -5,17 +5,23 @@ wrappers removed) and, for the optimizer, `state.<param name>.<field>` and
 `param_groups.<param name>.<hyper-parameter>` (`flatten_optimizer_state_dict`), so a pipeline
 stage, a TP shard or a DP shard each write and read only their own entries. DTensors (TP, FSDP)
 carry their global shape and offsets already. Routed experts under expert parallelism are plain
-tensors holding rows [i·El, (i+1)·El) of the full (E, ·, ·) weight; `global_views` presents them
-to DCP as DTensors over the ep mesh, so their key names the full tensor on every layout instead
-of E/ep different tensors colliding under one name.
+tensors holding rows [i·El, (i+1)·El) of the full (E, ·, ·) weight, and under expert-tensor
+parallelism (etp = tp) also F range [k·F/tp, (k+1)·F/tp) on tp rank k; `global_views` presents them
+to DCP as DTensors over the (ep, tp) grid, so their key names the full tensor on every layout
+instead of E/ep × tp different tensors colliding under one name:
+
+  expert weight piece        placements of the view (grid dims)
+  ep only                    Shard(0) over ep
+  ep and FSDP/HSDP           Shard(0) over ep, then FSDP's Shard(0) over its 1-D (2-D) mesh
+  etp = tp (ep any)          … then Shard(2) (w_gate_EDF, w_up_EDF) or Shard(1) (w_down_EFD) over tp
 """
 
 from __future__ import annotations
 
 import random
 import warnings
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -34,13 +40,22 @@ from torch.distributed.tensor import DTensor, Shard
 
 @dataclass(frozen=True)
 class ExpertShards:
-    """Parameters split into equal row blocks (dim 0) over a 1-D mesh, block i on mesh rank i.
+    """Parameters split into equal row blocks (dim 0) over a 1-D mesh, block i on mesh rank i, and
+    those named in `tp_dims` also into equal blocks of dim tp_dims[name] over `tp_mesh`.
 
-    names: parameter names (e.g. ParallelModel.expert_sharded); mesh: the "ep" sub-mesh.
+    names: every such parameter (ParallelModel.expert_shards() builds this); mesh: the "ep" sub-mesh
+    (size 1 when only the tp split applies); tp_dims / tp_mesh: expert-tensor parallelism's F split.
     """
 
     names: frozenset[str]
     mesh: DeviceMesh
+    tp_dims: Mapping[str, int] = field(default_factory=dict)
+    tp_mesh: DeviceMesh | None = None
+
+    def view(self, name: str, t: torch.Tensor) -> DTensor:
+        """This rank's piece `t` of parameter `name` (or of its optimizer moment) as a global DTensor."""
+        dim = self.tp_dims.get(name)
+        return _rows_over(t, self.mesh, None if dim is None else (self.tp_mesh, dim))
 
 
 @dataclass
@@ -92,38 +107,55 @@ def views_of(state: dict[str, Any], expert_shards: ExpertShards | None) -> dict[
     the views share storage, so DCP loads into them in place."""
     if expert_shards is None:
         return state
-    names, mesh = expert_shards.names, expert_shards.mesh
-    out = {"model": {k: _rows_over(v, mesh) if k in names else v for k, v in state["model"].items()}}
+    names = expert_shards.names
+    out = {"model": {k: expert_shards.view(k, v) if k in names else v for k, v in state["model"].items()}}
     if "optim" in state:
-        out["optim"] = {k: _rows_over(v, mesh) if _is_moment_of(k, v, names) else v
+        out["optim"] = {k: expert_shards.view(_param_of(k), v) if _is_moment_of(k, v, names) else v
                         for k, v in state["optim"].items()}
     return out
+
+
+def _param_of(key: str) -> str:
+    """"state.<param name>.<field>" → the parameter name."""
+    return key[len("state."):].rsplit(".", 1)[0]
 
 
 def _is_moment_of(key: str, value: Any, names: frozenset[str]) -> bool:
     """An optimizer tensor shaped like an expert-sharded parameter (exp_avg, not the scalar step)."""
     if not key.startswith("state.") or not isinstance(value, torch.Tensor) or value.ndim == 0:
         return False
-    return key[len("state."):].rsplit(".", 1)[0] in names
+    return _param_of(key) in names
 
 
-def _rows_over(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+def _rows_over(t: torch.Tensor, mesh: DeviceMesh, tp_split: tuple[DeviceMesh, int] | None = None) -> DTensor:
     """View this rank's row block of a tensor split over `mesh` (block i on mesh rank i) as a
     DTensor of the full shape. If the block is itself a DTensor on a 1-D mesh (FSDP over the
     ranks holding the same experts; 2-D under HSDP), the view lives on the (ep, that mesh) grid: rows split
-    over ep first, then each block as FSDP split it."""
+    over ep first, then each block as FSDP split it. `tp_split` = (tp mesh, dim): the block is also
+    one of equal pieces of `dim` over the tp mesh (piece k on tp rank k), a last grid dim."""
     ep = mesh.size()
-    if isinstance(t, DTensor):
-        inner = t.device_mesh
-        # The job's mesh is a regular grid of ranks, so rank offsets along ep and along the inner
-        # dims (FSDP's 1-D, HSDP's 2-D) add up: grid[i, j…] = ep_rank_i + inner_rank_j… - this rank.
-        me = dist.get_rank()
-        grid = mesh.mesh.reshape(-1, *([1] * inner.ndim)) + inner.mesh.unsqueeze(0) - me
-        grid_mesh = DeviceMesh(mesh.device_type, grid, _init_backend=False)
-        placements, local, block_shape = (Shard(0), *t.placements), t.to_local(), t.shape
+    inner = t.device_mesh if isinstance(t, DTensor) else None
+    if inner is None and tp_split is None:
+        grid_mesh, placements, local = mesh, (Shard(0),), t
     else:
-        grid_mesh, placements, local, block_shape = mesh, (Shard(0),), t, t.shape
-    shape = torch.Size((block_shape[0] * ep, *block_shape[1:]))
+        # The job's mesh is a regular grid of ranks, so rank offsets along ep, along the inner dims
+        # (FSDP's 1-D, HSDP's 2-D) and along tp add up: grid[i, j…, k] = ep_i + inner_j… + tp_k,
+        # each a global rank, less this rank once for every part after the first.
+        parts = [mesh.mesh] + ([inner.mesh] if inner is not None else []) + ([tp_split[0].mesh] if tp_split else [])
+        me = dist.get_rank()
+        ndim = sum(p.ndim for p in parts)
+        grid, at = torch.zeros((1,) * ndim, dtype=torch.int64), 0
+        for p in parts:
+            grid = grid + p.reshape((1,) * at + tuple(p.shape) + (1,) * (ndim - at - p.ndim)) - me
+            at += p.ndim
+        grid_mesh = DeviceMesh(mesh.device_type, grid + me, _init_backend=False)
+        placements = (Shard(0), *(t.placements if inner is not None else ()),
+                      *((Shard(tp_split[1]),) if tp_split else ()))
+        local = t.to_local() if inner is not None else t
+    shape = [t.shape[0] * ep, *t.shape[1:]]
+    if tp_split is not None:
+        shape[tp_split[1]] *= tp_split[0].size()
+    shape = torch.Size(shape)
     return DTensor.from_local(local, grid_mesh, placements, run_check=False, shape=shape,
                               stride=_contiguous_stride(shape))
 

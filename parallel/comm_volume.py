@@ -2,7 +2,8 @@
 
 Legend: T tokens per optimizer step (batch × seq_len), D model dim, V vocabulary, E experts, K top-k,
 L layers, N = pp × vpp pipeline stages, C forward chunks per rank (grad_accum × pipeline
-micro-batches), b bytes per activation element, R ranks that hold one pipeline stage (dp × tp).
+micro-batches), b bytes per activation element, R ranks that hold one pipeline stage (dp × cp × tp),
+G key/value heads, Dh head dim.
 
 Bytes of one call follow nccl-tests' "size": all-reduce the buffer; all-gather the gathered
 output; reduce-scatter the full input; all-to-all the rows this rank sends (its own included);
@@ -10,8 +11,8 @@ point-to-point the tensor sent (receives are not counted again). Every number is
 ranks of the job. A 1-rank group moves nothing and is left out. Wire bytes follow from the sizes
 by the usual factors ((n−1)/n for gather, scatter and all-to-all, 2(n−1)/n for a ring all-reduce).
 
-What moetron.parallel issues per step, by dimension (each rank of a stage sees T/dp tokens, so a
-per-token tensor summed over the R ranks of a stage is T·tp tokens):
+What moetron.parallel issues per step, by dimension (each rank of a stage sees T/(dp·cp) tokens,
+so a per-token tensor summed over the R ranks of a stage is T·tp tokens):
   tensor parallel   all-reduce of B×S×D after the row-parallel attention (and dense FFN) output
                     in forward and at the column-parallel input in backward; one after the
                     vocab-parallel embedding (forward) and one at the head's input (backward);
@@ -24,18 +25,31 @@ per-token tensor summed over the R ranks of a stage is T·tp tokens):
   expert parallel   per MoE layer and chunk: the per-expert counts (E int64, forward), then the
                     routed rows T/dp·K×D four times (dispatch and combine, forward and backward).
                     Dropless; capacity routing sends at most this.
+  expert-tensor par. with etp = tp, per MoE layer and chunk: an all-reduce over tp of the experts'
+                    output rows T/dp·K×D (forward) and of their input rows' gradient (backward).
+                    The rows are those each rank's experts compute: its own routes, or under EP
+                    the ones it receives, which over a stage add up to the same T·tp·K.
+  context parallel  per attention layer and chunk: an all-gather over cp of the local K and V
+                    (stacked; the gathered output is cp× the local, so T·cp·2·G·Dh over a stage)
+                    and, in backward, the reduce-scatter of their gradients (the same size). Per
+                    MoE layer and chunk, the router's statistics summed over cp by all-gather:
+                    the route counts (E int64, forward only) and, with an aux loss, fp32 score
+                    sums and token counts, E + 1 (Switch) or per sequence 2·E + 1 (sequence
+                    loss), gathered forward and reduce-scattered backward.
   pipeline parallel per stage boundary and micro-batch: the activation forward, its gradient back.
   data parallel     FSDP: every unit's parameters all-gathered in forward and again in backward
                     (the root unit, which holds only what no child holds, is kept for backward),
                     its gradients reduce-scattered once per step; DDP: one gradient all-reduce
-                    per unit and step. Units: each block, each block's routed experts (on the
-                    dp/ep ranks holding the same experts, when ep > 1), the embedding, the final
-                    norm with the head. Sizes are this rank's tp/ep shard, dim 0 padded to the group.
+                    per unit and step, over the dp × cp ranks holding the same weights. Units:
+                    each block, each block's routed experts (on the dp/ep × cp ranks holding the
+                    same experts, when ep > 1), the embedding, the final norm with the head.
+                    Sizes are this rank's tp/ep shard, dim 0 padded to the group.
   control           per step over all ranks: the global gradient norm (one float64), the loss
                     reduction (two fp32) and the trainer's stop agreement (one fp32).
 Not modelled: linear biases under sequence parallel, FSDP under pipeline parallelism (assumed
 to gather per micro-batch like without it), activation checkpointing (recomputation re-sends the
-forward all-to-alls), the first step's pipeline shape exchange, evaluation and checkpoints.
+forward all-to-alls and K/V gathers), the first step's pipeline shape exchange, evaluation and
+checkpoints.
 """
 
 from __future__ import annotations
@@ -61,8 +75,9 @@ class Traffic:
 def predict_step(model: ModelConfig, par: ParallelConfig, *, batch: int, seq_len: int, grad_accum: int = 1,
                  act_bytes: int = 4, param_bytes: int = 4, grad_bytes: int = 4) -> list[Traffic]:
     """Every collective one optimizer step of `batch` sequences of `seq_len` tokens issues."""
-    step = _Step(model, par, batch * seq_len, grad_accum, act_bytes)
-    out = [*_tensor_parallel(step), *_expert_parallel(step), *_pipeline(step),
+    step = _Step(model, par, batch * seq_len, grad_accum, act_bytes, batch=batch)
+    out = [*_tensor_parallel(step), *_context_parallel(step), *_expert_parallel(step),
+           *_expert_tensor_parallel(step), *_pipeline(step),
            *_data_parallel(step, param_bytes, grad_bytes), *_control(par)]
     return [t for t in out if t.calls]
 
@@ -83,10 +98,11 @@ class _Step:
     tokens: int
     grad_accum: int
     act_bytes: int
+    batch: int = 0  # sequences per step
 
     @property
     def stage_ranks(self) -> int:
-        return self.par.dp * self.par.tp
+        return self.par.dp * self.par.cp * self.par.tp
 
     @property
     def chunks(self) -> int:
@@ -94,7 +110,7 @@ class _Step:
 
     @property
     def rank_tokens(self) -> int:
-        """Tokens seen by the ranks of one stage, summed: each of dp × tp sees T/dp."""
+        """Tokens seen by the ranks of one stage, summed: each of dp × cp × tp sees T/(dp·cp)."""
         return self.tokens * self.par.tp
 
     def per_chunk(self, kind: str, purpose: str, sites: int, bytes_per_token: int) -> Traffic:
@@ -120,11 +136,34 @@ def _tensor_parallel(s: _Step) -> list[Traffic]:
     gathers = matmul_sites + 2 * n_moe
     scatters = matmul_sites
     norm_params = (2 * m.n_layers + (m.norm_position == "pre")) * (2 if m.norm == "layernorm" else 1)
-    norm_local = _padded(m.d_model, p.dp) // p.dp if p.dp_mode == "fsdp" else m.d_model
+    dp_cp = p.dp * p.cp
+    norm_local = _padded(m.d_model, dp_cp) // dp_cp if p.dp_mode == "fsdp" else m.d_model
     norms = Traffic("all_reduce", "sp norm gradients (partial sums over S)", norm_params * s.stage_ranks,
                     norm_params * s.stage_ranks * norm_local * 4)
     return [s.per_chunk("all_gather", "sp activations", gathers, row),
             s.per_chunk("reduce_scatter", "sp activations", scatters, row), loss, norms]
+
+
+def _context_parallel(s: _Step) -> list[Traffic]:
+    m, p = s.model, s.par
+    if p.cp == 1:
+        return []
+    # Each rank gathers cp× its local K and V rows: T·tp·cp rows of 2·G/tp·Dh over a stage.
+    kv = p.cp * 2 * (m.kv_heads // p.tp) * m.dim_head * s.act_bytes
+    out = [s.per_chunk("all_gather", "cp keys and values (fwd)", m.n_layers, kv),
+           s.per_chunk("reduce_scatter", "cp keys' and values' gradients (bwd)", m.n_layers, kv)]
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    if not n_moe:
+        return out
+    calls = n_moe * s.chunks * s.stage_ranks
+    E = m.moe.num_experts
+    out.append(Traffic("all_gather", "cp router route counts", calls, calls * p.cp * E * 8))
+    if m.moe.aux_loss_coef:
+        sequences = s.batch // (p.dp * s.chunks)  # per rank and chunk
+        row = sequences * (2 * E + 1) if m.moe.aux_loss_type == "sequence" else E + 1
+        out += [Traffic("all_gather", "cp router balance statistics (fwd)", calls, calls * p.cp * row * 4),
+                Traffic("reduce_scatter", "cp router balance statistics (bwd)", calls, calls * p.cp * row * 4)]
+    return out
 
 
 def _expert_parallel(s: _Step) -> list[Traffic]:
@@ -140,6 +179,15 @@ def _expert_parallel(s: _Step) -> list[Traffic]:
     return [counts, rows]
 
 
+def _expert_tensor_parallel(s: _Step) -> list[Traffic]:
+    m, p = s.model, s.par
+    if p.etp == 1 or p.tp == 1 or not m.moe.enabled:
+        return []
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    return [s.per_chunk("all_reduce", "etp expert rows (output fwd, input grad bwd)", 2 * n_moe,
+                        m.moe.top_k * m.d_model * s.act_bytes)]
+
+
 def _pipeline(s: _Step) -> list[Traffic]:
     p = s.par
     boundaries = p.pp * p.vpp - 1
@@ -150,7 +198,7 @@ def _pipeline(s: _Step) -> list[Traffic]:
 
 def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]:
     m, p = s.model, s.par
-    if p.dp == 1:
+    if p.dp * p.cp == 1:
         return []
     out: list[Traffic] = []
     ranks = s.stage_ranks
@@ -181,7 +229,8 @@ class _Unit:
 def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
     """Every data-parallel unit of the model (each lives on one pipeline stage)."""
     tp, ep = p.tp, p.ep
-    D, Dh, F, Fe = m.d_model, m.dim_head, m.d_ff, m.d_expert_ff
+    dp, edp = p.dp * p.cp, p.dp // ep * p.cp  # the ranks holding the same dense weights; experts
+    D, Dh, F, Fe = m.d_model, m.dim_head, m.d_ff, m.d_expert_ff // p.etp
     mats = 3 if m.activation == "swiglu" else 2
     norm = [(D,)] * (2 if m.norm == "layernorm" else 1)
 
@@ -206,18 +255,18 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
                 block += ffn(m.moe.shared_expert_d_ff, 1)  # replicated over tp
             experts = [(m.moe.num_experts // ep, D, Fe)] * (mats - 1) + [(m.moe.num_experts // ep, Fe, D)]
             if ep > 1:
-                units.append(_Unit(size(experts, p.dp // ep), p.dp // ep))
+                units.append(_Unit(size(experts, edp), edp))
             else:
                 block += experts
         else:
             block += ffn(F, tp)
-        units.append(_Unit(size(block, p.dp), p.dp))
-    units.append(_Unit(size([(m.vocab_size // tp, D)], p.dp), p.dp))
+        units.append(_Unit(size(block, dp), dp))
+    units.append(_Unit(size([(m.vocab_size // tp, D)], dp), dp))
     if m.position == "learned":
-        units.append(_Unit(size([(m.max_seq_len, D)], p.dp), p.dp, root=True))
+        units.append(_Unit(size([(m.max_seq_len, D)], dp), dp, root=True))
     tail = (norm if m.norm_position == "pre" else []) + ([] if m.tie_embeddings else [(m.vocab_size // tp, D)])
     if tail:
-        units.append(_Unit(size(tail, p.dp), p.dp))
+        units.append(_Unit(size(tail, dp), dp))
     return units
 
 

@@ -16,7 +16,8 @@ their gradients are averaged like the dp ranks'):
 Routed experts under expert parallelism are a separate unit on "edp_cp" (or "ehsdp"), the ranks
 holding the same experts: their gradients are summed there and divided by dp × cp, not by the
 group's size, because the all-to-all backward has already summed the contributions of the ep
-ranks' tokens.
+ranks' tokens. Under expert-tensor parallelism (etp = tp) a rank's expert tensors are F slices;
+each slice's gradient is complete on its rank, so the reduction is the same.
 
 Wrapping units: each block (attention + FFN/MoE), the experts of each MoE block (when ep > 1),
 the embedding, and the final norm with the head; the whole stage module is the root.
@@ -25,7 +26,7 @@ the embedding, and the final norm with the head; the whole stage module is the r
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Collection, Iterable
 
 import torch
 import torch.distributed as dist
@@ -86,7 +87,8 @@ def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
                 m.set_requires_gradient_sync(enabled, recurse=False)
 
 
-def _distinct_shards(name: str, grad: torch.Tensor, expert_sharded: set[str], ep: int) -> int:
+def _distinct_shards(name: str, grad: torch.Tensor, expert_sharded: set[str], ep: int,
+                     expert_tp_split: Collection[str] = (), tp: int = 1) -> int:
     """Into how many distinct pieces this parameter is split within one pipeline stage."""
     pieces = 1
     if isinstance(grad, DTensor):
@@ -96,18 +98,22 @@ def _distinct_shards(name: str, grad: torch.Tensor, expert_sharded: set[str], ep
                 pieces *= size
     if name in expert_sharded:
         pieces *= ep
+    if name in expert_tp_split:  # expert-tensor parallel: each tp rank holds a different F slice
+        pieces *= tp
     return pieces
 
 
 @torch.no_grad()
 def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: float, mesh: ParallelMesh,
-                    expert_sharded: set[str]) -> torch.Tensor:
+                    expert_sharded: set[str], *, expert_tp_split: Collection[str] = ()) -> torch.Tensor:
     """Clip the gradients of the whole model (every stage, shard and expert) to `max_norm` in
     global L2 norm; return that norm (before clipping), the same on every rank.
 
     Each rank sums the squares of its local gradient pieces, each weighted by 1 / (number of
     ranks in its stage holding that same piece), and one all_reduce over the world adds it up:
     replicated copies count once, shards count once each, pipeline stages are disjoint.
+    expert_sharded: routed-expert weights split by rows over ep; expert_tp_split: those split by F
+    over tp (plain tensors, so neither split shows in a placement).
     """
     cfg = mesh.cfg
     ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
@@ -121,7 +127,7 @@ def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: 
             # (one partial sum per S slice); sum it now so norms and updates see the full one.
             p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-        copies = ranks_per_stage / _distinct_shards(name, p.grad, expert_sharded, cfg.ep)
+        copies = ranks_per_stage / _distinct_shards(name, p.grad, expert_sharded, cfg.ep, expert_tp_split, cfg.tp)
         squares.append(local.double().square().sum() / copies)
         grads.append(local)
     device = grads[0].device if grads else torch.device(mesh.device_type)

@@ -128,5 +128,6 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> set[str]:
 
 
 def is_expert_param(name: str) -> bool:
-    """True for routed-expert weights: replicated over TP, sharded over EP, reduced over "edp"."""
+    """True for routed-expert weights: replicated over TP (split by F with etp = tp), sharded over
+    EP, reduced over "edp"."""
     return ".experts." in name and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS

@@ -44,7 +44,7 @@ class _ReplayOnCPU(TorchDispatchMode):
 
 
 def _local_piece(full: torch.Tensor, dest: torch.Tensor, name: str, ep_slice: Callable[[str, torch.Tensor], torch.Tensor]):
-    """The part of the full tensor `full` that `dest` (plain, EP slice, or DTensor) holds here."""
+    """The part of the full tensor `full` that `dest` (plain, EP/ETP piece, or DTensor) holds here."""
     full = ep_slice(name, full)
     if isinstance(dest, DTensor):
         # src_data_rank=None: every rank slices its own copy, no communication.
@@ -59,7 +59,8 @@ def materialize_and_init(full_meta: Decoder, local_modules: list[nn.Module], *, 
 
     full_meta: an untouched meta-device copy of the whole model (same parameter names).
     local_modules: this rank's parallelized parts (pipeline stages), still on meta.
-    ep_slice(name, full) → the rows of an expert-sharded parameter this rank owns (identity else).
+    ep_slice(name, full) → the piece of a routed-expert weight this rank owns: its E/ep rows, and
+    under expert-tensor parallelism its F/tp slice (identity for every other parameter).
     """
     dests: dict[str, list[torch.Tensor]] = defaultdict(list)
     for module in local_modules:

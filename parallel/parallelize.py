@@ -1,13 +1,14 @@
 """One entry point: a meta-device Decoder + mesh + layout → this rank's trainable parts.
 
 Order (fixed; each step sees the previous one's result, as in torchtitan):
-  pipeline split → tensor (+ sequence) parallel → expert parallel → activation checkpointing
+  pipeline split → context parallel → tensor (+ sequence) parallel → expert parallel → expert-tensor parallel
+  → activation checkpointing
   → compile → data parallel (FSDP2 / replicate) → materialize and initialize.
 The model is a meta-device shell until the last step, so it never exists whole on one rank; the
 initial weights equal the single-process ones for the same seed (see materialize.py).
 
 `ParallelModel` then runs a training step the same way on every layout: the sampler's global
-batch → this dp rank's slice → micro-batches (accumulation, and pipeline micro-batches within
+batch → this dp rank's slice → this cp rank's two chunks of each sequence → micro-batches (accumulation, and pipeline micro-batches within
 each) → forward/backward with the MoE aux losses in the gradient → global gradient norm.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Callable
 
@@ -28,9 +29,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.checkpoint import checkpoint
 
 from moetron.model.transformer import Decoder
+from moetron.parallel.checkpoint_state import ExpertShards
 from moetron.parallel.config import ParallelConfig
+from moetron.parallel.context_parallel import apply_context_parallel, split_sequence
 from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_, set_gradient_sync
 from moetron.parallel.expert_parallel import apply_expert_parallel
+from moetron.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.pipeline import (Pipeline, StepRecord, attach_stage_output, build_pipeline, merge_stages,
@@ -73,9 +77,11 @@ class ParallelModel:
     modules: list[Decoder]  # one per pipeline stage held here; one in total without PP
     mesh: ParallelMesh
     cfg: ParallelConfig
-    expert_sharded: set[str]
+    expert_sharded: set[str]  # routed-expert weights holding an E/ep row block
     pipeline: Pipeline | None
     cross_entropy: CrossEntropy
+    # Routed-expert weights split by F over tp (etp = tp): name → the split dim.
+    expert_tp_split: dict[str, int] = field(default_factory=dict)
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -95,6 +101,15 @@ class ParallelModel:
         """This dp rank's contiguous slice of the global batch (dp must divide it)."""
         return batch_BS.chunk(self.cfg.dp)[self.mesh.rank("dp")]
 
+    def local_window(self, micro_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of a (B, S + 1) window, at this rank's positions: all S,
+        or under context parallelism its two load-balanced chunks (context_parallel.py)."""
+        inputs_BS, targets_BS = micro_BS1[:, :-1], micro_BS1[:, 1:]
+        if self.cfg.cp == 1:
+            return inputs_BS, targets_BS
+        cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
+        return split_sequence(inputs_BS, cp, cp_rank), split_sequence(targets_BS, cp, cp_rank)
+
     def loss_context(self):
         # Vocab-parallel logits: cross entropy without gathering V (forward and backward).
         return loss_parallel() if self.cfg.tp > 1 else contextlib.nullcontext()
@@ -113,8 +128,9 @@ class ParallelModel:
             set_gradient_sync(self.modules, i == grad_accum - 1)
             with self.loss_context():
                 with autocast():
-                    out = model(micro_BS1[:, :-1])
-                    ce = _plain(self.cross_entropy(out.logits_BSV, micro_BS1[:, 1:]))
+                    inputs_BS, targets_BS = self.local_window(micro_BS1)
+                    out = model(inputs_BS)
+                    ce = _plain(self.cross_entropy(out.logits_BSV, targets_BS))
                 ((ce + out.aux_loss) / grad_accum).backward()
             ce_sum, aux_sum, moe = ce_sum + ce.detach(), aux_sum + out.aux_loss.detach(), out.moe
         return StepLosses(ce_sum / grad_accum, aux_sum / grad_accum, moe)
@@ -125,7 +141,7 @@ class ParallelModel:
         n = grad_accum * self.cfg.microbatches
         for micro_BS1 in batch_BS1.chunk(grad_accum):
             with self.loss_context(), autocast():
-                pipe.step(micro_BS1[:, :-1], micro_BS1[:, 1:], 1.0 / n, train=train)
+                pipe.step(*self.local_window(micro_BS1), 1.0 / n, train=train)
         rec = pipe.record
         zero = torch.zeros((), device=batch_BS1.device)
         ce = torch.stack([_plain(c).float() for c in rec.ce]).sum() / n if rec.ce else zero
@@ -141,13 +157,23 @@ class ParallelModel:
             if self.pipeline is not None:
                 return self._pipeline_forward_backward(batch_BS1, 1, autocast, train=False).ce
             with self.loss_context(), autocast():
-                return _plain(self.cross_entropy(self.module(batch_BS1[:, :-1]).logits_BSV, batch_BS1[:, 1:]))
+                inputs_BS, targets_BS = self.local_window(batch_BS1)
+                return _plain(self.cross_entropy(self.module(inputs_BS).logits_BSV, targets_BS))
         finally:
             for m in self.modules:
                 m.train()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        return clip_grad_norm_(self.named_parameters(), max_norm, self.mesh, self.expert_sharded)
+        return clip_grad_norm_(self.named_parameters(), max_norm, self.mesh, self.expert_sharded,
+                               expert_tp_split=set(self.expert_tp_split))
+
+    def expert_shards(self) -> ExpertShards | None:
+        """How the routed experts held here are pieces of the full weights, for checkpoints
+        (None when every rank holds them whole)."""
+        names = frozenset(self.expert_sharded | set(self.expert_tp_split))
+        if not names:
+            return None
+        return ExpertShards(names, self.mesh.sub("ep"), tp_dims=dict(self.expert_tp_split), tp_mesh=self.mesh.sub("tp"))
 
     def global_losses(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, float]:
         """Mean over dp ranks of CE (held by the last stage) and of the aux loss summed over
@@ -189,19 +215,28 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
     else:
         parts = {0: meta_model}
     expert_sharded: set[str] = set()
+    expert_tp_split: dict[str, int] = {}
     for part in parts.values():
+        apply_context_parallel(part, mesh)
         apply_tensor_parallel(part, mesh, cfg)
         expert_sharded |= apply_expert_parallel(part, mesh)
+        expert_tp_split |= apply_expert_tensor_parallel(part, mesh, cfg)
         if activation_checkpoint:
             apply_activation_checkpointing(part)
         if compile:
             apply_compile(part)
         apply_data_parallel(part, mesh, cfg)
-    ep, ep_rank = mesh.size("ep"), mesh.rank("ep")
+    ep, ep_rank, tp, tp_rank = mesh.size("ep"), mesh.rank("ep"), mesh.size("tp"), mesh.rank("tp")
 
-    def ep_slice(name: str, full: torch.Tensor) -> torch.Tensor:
-        return full.chunk(ep)[ep_rank] if name in expert_sharded else full
+    def expert_slice(name: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full weight: an expert's E/ep rows, then its F/tp slice."""
+        if name in expert_sharded:
+            full = full.chunk(ep)[ep_rank]
+        if name in expert_tp_split:
+            full = full.chunk(tp, dim=expert_tp_split[name])[tp_rank].contiguous()
+        return full
 
-    materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=ep_slice)
+    materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=expert_slice)
     pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy) if cfg.pp > 1 else None
-    return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy)
+    return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
+                         expert_tp_split=expert_tp_split)

@@ -11,8 +11,9 @@ How each weight is split across the tp ranks of mesh["tp"]:
   dense ffn w_gate / w_up Shard(0) column parallel; w_down Shard(1) row parallel
   head.weight             Shard(0): logits stay split over V; the loss is computed by
                           `loss_parallel` without gathering them
-  norms, router, experts  replicated (expert-TP = 1); under plain TP every tp rank sees the same
-                          tokens, so their gradients are already equal and need no reduction.
+  norms, router, experts  replicated; under plain TP every tp rank sees the same tokens, so their
+                          gradients are already equal and need no reduction. With parallel.etp = tp
+                          the routed experts are split by F instead (expert_tensor_parallel.py).
 
 Sequence parallel (cfg.sequence_parallel): between the blocks' matmuls the residual stream is split
 over S (Shard(1), B × S/tp × D per rank); norms and dropout run on the local slice, their weight
@@ -98,7 +99,8 @@ def _block_plan(block: nn.Module, sp: bool) -> dict[str, object]:
             plan["ffn.w_up"] = ColwiseParallel()
         plan["ffn.w_down"] = RowwiseParallel(output_layouts=residual)
     elif isinstance(block.ffn, MoELayer) and sp:
-        # Routed experts are replicated over tp: gather S in, slice S back out.
+        # Routing needs every token on every tp rank (experts whole or, etp = tp, split by F):
+        # gather S in, slice S back out.
         plan["ffn"] = _SequenceGatheredMoE()
     return plan
 

@@ -37,11 +37,13 @@ from moetron.parallel.expert_bias import biased_routers, update_expert_biases
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import parallelize
+from moetron.parallel.sharded_optimizer import ShardedAdamW, assign_owners
 
 LOSS_RTOL = 1e-5
 GRAD_TOL = 1e-5
 BIAS_TOL = 1e-9  # biases are sums of ±rate: equal loads give equal biases
 STEPS, LR, SEED = 3, 0.5, 7
+ADAMW_LR = 0.01
 BATCH, SEQ = 8, 16
 
 MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=32,
@@ -82,6 +84,13 @@ CASES = {
     "dp4_ep2_ddp": (dict(dp=4, ep=2, dp_mode="ddp"), {}, 1),
     "tp2_ep2": (dict(dp=2, tp=2, ep=2), {}, 1),
     "tp2_sp_ep2": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), {}, 1),
+    # Expert-tensor parallel: each routed expert's F split over the tp ranks (Megatron-Core's ETP).
+    "tp2_etp2": (dict(tp=2, etp=2), {}, 1),
+    "tp2_sp_etp2": (dict(tp=2, etp=2, sequence_parallel=True), {}, 1),
+    "tp2_sp_etp2_bias": (dict(tp=2, etp=2, sequence_parallel=True), BIAS_GROUPS, 1),
+    "tp2_etp2_ep2": (dict(dp=2, tp=2, ep=2, etp=2), {}, 1),
+    "tp2_etp2_ddp": (dict(dp=2, tp=2, etp=2, dp_mode="ddp"), {}, 1),
+    "pp2_tp2_etp2": (dict(pp=2, tp=2, etp=2, microbatches=2, schedule="1f1b"), {}, 1),
     "pp2_ep2": (dict(pp=2, dp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
     "pp2_tp2": (dict(pp=2, tp=2, microbatches=2, schedule="zero_bubble"), {}, 1),
     "pp2_tp2_sp": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"), {}, 1),
@@ -89,8 +98,34 @@ CASES = {
     # HSDP: shard over 2 ranks, replicate over 2 groups; experts (ep2) replicated across the groups.
     "hsdp2x2": (dict(dp=4, dp_mode="hsdp", dp_shard=2), {}, 2),
     "hsdp2x2_ep2": (dict(dp=4, ep=2, dp_mode="hsdp", dp_shard=2), {}, 1),
+    # ZeRO-1: replicated weights, AdamW state and update split over the 4 (experts: 2) copies.
+    "zero1_dp4": (dict(dp=4, dp_mode="zero1"), {}, 1),
+    "zero1_dp4_ep2": (dict(dp=4, ep=2, dp_mode="zero1"), {}, 2),
     "pp2_dp2_tp2_ep2": (dict(pp=2, dp=2, tp=2, ep=2, microbatches=2, schedule="1f1b"), {}, 1),
+    # Context parallel: each sequence's 16 positions in 4 chunks, rank r holding chunks r and 3 − r.
+    "cp2": (dict(cp=2), {}, 1),
+    "cp2_alibi": (dict(cp=2, dp_mode="ddp"), {"position": "alibi"}, 2),
+    "cp2_bias_sequence": (dict(cp=2), BIAS_SEQUENCE, 1),
+    "cp2_tp2_sp": (dict(cp=2, tp=2, sequence_parallel=True), {}, 1),
+    "cp2_ep2": (dict(dp=2, cp=2, ep=2), {}, 1),
+    "pp2_cp2": (dict(pp=2, cp=2, microbatches=2, schedule="1f1b"), {}, 1),
+    # HSDP sharding over the cp pair of each sequence, replicated over the two dp ranks.
+    "cp2_dp2_hsdp": (dict(dp=2, cp=2, dp_mode="hsdp", dp_shard=1), BIAS, 1),
+    "pp2_dp2_tp2_ep2_etp2": (dict(pp=2, dp=2, tp=2, ep=2, etp=2, sequence_parallel=True, microbatches=2,
+                                  schedule="1f1b"), {}, 1),
 }
+
+
+# Cases stepped with AdamW (a sharded optimizer's state is what they test) instead of SGD.
+ADAMW = {"zero1_dp4", "zero1_dp4_ep2"}
+
+
+def make_optimizer(named_params, adamw: bool, owners=None) -> torch.optim.Optimizer:
+    params = [p for _, p in named_params]
+    if not adamw:
+        return torch.optim.SGD(params, lr=LR)
+    kwargs = dict(lr=ADAMW_LR, weight_decay=0.1, foreach=False)
+    return ShardedAdamW(params, owners=owners, **kwargs) if owners else torch.optim.AdamW(params, **kwargs)
 
 
 def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -102,12 +137,12 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference(model_cfg: ModelConfig, chunks: int) -> dict:
+def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False) -> dict:
     """One process, plain model, SGD, accumulating over `chunks` micro-batches per step."""
     meta = build_model(model_cfg, device="meta")
     model = build_model(model_cfg, device="meta")
     materialize_and_init(meta, [model], seed=SEED, device=torch.device("cpu"), ep_slice=lambda n, t: t)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    opt = make_optimizer(model.named_parameters(), adamw)
     out = {"ce": [], "aux": [], "counts": [], "grads": None}
     for batch in batches():
         ce_sum = aux_sum = 0.0
@@ -138,6 +173,11 @@ def full_grad(pm, name: str, p: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(g) for _ in range(pm.mesh.size("ep"))]
         dist.all_gather(parts, g.contiguous(), group=pm.mesh.group("ep"))
         g = torch.cat(parts)
+    if name in pm.expert_tp_split:
+        # Expert-tensor parallel: each tp rank holds an F slice; join them along that dim.
+        parts = [torch.empty_like(g) for _ in range(pm.mesh.size("tp"))]
+        dist.all_gather(parts, g.contiguous(), group=pm.mesh.group("tp"))
+        g = torch.cat(parts, dim=pm.expert_tp_split[name])
     return g
 
 
@@ -148,11 +188,13 @@ def run_case(name: str) -> dict:
     moe_only = {k: v for k, v in moe_changes.items() if k != "position"}
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
     mb = pcfg.microbatches if pcfg.pp > 1 else 1
-    ref = reference(model_cfg, pcfg.dp * grad_accum * mb)
+    adamw = name in ADAMW
+    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw)
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy)
-    opt = torch.optim.SGD([p for _, p in pm.named_parameters()], lr=LR)
+    owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
+    opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
     counts_ok = True
     dp_rank = mesh.rank("dp")
@@ -176,18 +218,28 @@ def run_case(name: str) -> dict:
         opt.zero_grad()
         if model_cfg.moe.bias_update_rate > 0:
             update_expert_biases(pm.modules, mesh, model_cfg.n_layers, model_cfg.moe.num_experts, torch.device("cpu"))
+    state_ok = True
+    if owners is not None:
+        # Each parameter's AdamW moments live on exactly one rank of its copies, and no rank holds all.
+        held = float(opt.state_elements())
+        mine_if_whole = 2.0 * sum(p.numel() for g in opt.param_groups for p in g["params"])
+        share = sum(2.0 * p.numel() / owners[id(p)].group_size for g in opt.param_groups for p in g["params"])
+        sums = torch.tensor([held, share], dtype=torch.float64)
+        dist.all_reduce(sums)
+        state_ok = abs(sums[0] - sums[1]) < 0.5 and held < mine_if_whole
     bias_err = 0.0
     for layer, router in biased_routers(pm.modules).items():
         bias_err = max(bias_err, float((router.expert_bias_E - ref["bias"][layer]).abs().max()))
     if model_cfg.moe.bias_update_rate > 0 and not ref["bias"]:
         bias_err = float("inf")  # the reference has no biased router: the case tests nothing
-    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err], dtype=torch.float64)
+    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err, float(not state_ok)],
+                     dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ce_err, aux_err, grad_err, counts_bad, bias_err = t.tolist()
+    ce_err, aux_err, grad_err, counts_bad, bias_err, state_bad = t.tolist()
     ok = (ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
-          and bias_err <= BIAS_TOL)
+          and bias_err <= BIAS_TOL and not state_bad)
     return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "grad_rel": grad_err,
-            "counts_equal": not counts_bad, "bias_abs": bias_err}
+            "counts_equal": not counts_bad, "bias_abs": bias_err, "optimizer_state_sharded": not state_bad}
 
 
 def main(names: list[str]) -> int:

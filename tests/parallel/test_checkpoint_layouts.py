@@ -12,7 +12,14 @@ the uninterrupted run's step-11 loss within 1e-6 relative. Two launches (~25 s).
 An interleaved pipeline (PP2 × vpp 2: two stages per rank) and PP2 × TP2 with sequence parallel
 train like one process (aux loss off, as the pipeline takes it per micro-batch: losses within 1e-5
 relative for 11 steps), count its FLOPs, and their step-10 checkpoints resume on one process. One
-launch each (~15 s, ~25 s)."""
+launch each (~15 s, ~25 s).
+
+Expert-tensor parallel (TP2 × ETP2 × EP2 × DP2, sequence parallel): 10 + resume + 10 steps equal 20
+straight bit for bit, with every expert weight saved whole (E, D, F); the step-10 checkpoint loads
+on one process bit for bit (trained on with lr 0, its next checkpoint holds the same weights) with
+the next loss within 1e-6 relative, and that one-process checkpoint loads back on the 4-rank layout
+bit for bit the same way. The FLOPs counted on a real step are one process's plus only the
+router's, which every tp rank repeats. Four launches and one process (~4 min on 2 cores)."""
 
 import json
 import os
@@ -24,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from moetron.launcher.config import load_config
+from moetron.model.flops import flops_by_component, flops_per_token
 from moetron.launcher.trainer import train
 from moetron.parallel.checkpoint import COMPLETE, consolidated_model_state
 from moetron.parallel.checkpoint_io import MANIFEST, verify_checkpoint
@@ -158,14 +166,104 @@ def test_pipeline_trains_like_one_process_and_its_checkpoint_resumes_there(tmp_p
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 12))
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (g, w)
-    # The FLOPs counted on a real step, summed over the ranks' unequal stages, are one process's.
-    # (Not under TP: routed experts are replicated over tp, so every tp rank really runs them.)
-    counted = {name: [r["mfu_measured"] / r["mfu"] for r in map(json.loads, (tmp_path / name / "metrics.jsonl")
-                      .read_text().splitlines()) if "mfu_measured" in r] for name in (layout, "one")}
-    assert counted[layout] and counted["one"], counted
-    if "parallel.tp=2" not in parallel:
-        assert counted[layout][0] == pytest.approx(counted["one"][0], rel=1e-3), counted
+    # The FLOPs counted on a real step, summed over the ranks' unequal stages, are one process's,
+    # plus what every tp rank repeats: the router and (etp = 1) the routed experts, ~1.9× in all.
+    counted = {name: counted_over_analytic(tmp_path / name) for name in (layout, "one")}
+    tp = 2 if "parallel.tp=2" in parallel else 1
+    extra = tp_repeated_flops(load_config(CONFIGS / "tiny.yaml", four_layers), tp=tp, etp=1)
+    assert counted[layout] == pytest.approx(counted["one"] + extra, rel=1e-3), counted
     ckpt = tmp_path / layout / "checkpoints" / "step-00000010"
     cfg = load_config(CONFIGS / "tiny.yaml", [*four_layers, "train.name=resumed", "train.steps=11"])
     train(cfg, resume=str(ckpt), console=lambda *_: None)
     _next_loss_matches(tmp_path / "resumed", tmp_path / layout)
+
+
+def counted_over_analytic(run: Path, after: int = 0) -> float:
+    """FLOPs counted on the run's counted step over the analytic count (per token), as logged
+    after step `after` (a resumed run keeps the records of the run it resumed)."""
+    ratios = [r["mfu_measured"] / r["mfu"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+              if "mfu_measured" in r and r["step"] > after]
+    assert ratios, run
+    return ratios[0]
+
+
+def tp_repeated_flops(cfg, *, tp: int, etp: int) -> float:
+    """FLOPs per token that the tp ranks repeat, over the analytic count: the router (replicated
+    under TP) and, with etp = 1, the routed experts, each run tp - 1 extra times."""
+    parts = flops_by_component(cfg.model, cfg.train.seq_len)
+    repeated = parts["router"] + (parts["experts"] if etp == 1 else 0)
+    return (tp - 1) * repeated / flops_per_token(cfg.model, cfg.train.seq_len)
+
+
+ETP = ("parallel.etp=2",)  # on top of tiny-tp2-ep2.yaml: tp 2, dp 2, ep 2, sequence parallel
+FROZEN = ("train.lr=0", "train.min_lr=0")  # AdamW with lr 0 leaves every weight as it is, bit for bit
+
+
+@pytest.fixture(scope="module")
+def etp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("etp")
+    torchrun(4, "tiny-tp2-ep2.yaml", *ETP, f"train.run_dir={root}", "train.name=straight", "train.steps=20")
+    torchrun(4, "tiny-tp2-ep2.yaml", *ETP, f"train.run_dir={root}", "train.name=split", "train.steps=20",
+             "--exit-after", "10")
+    shutil.copytree(root / "split", root / "one")
+    torchrun(4, "tiny-tp2-ep2.yaml", *ETP, f"train.run_dir={root}", "train.name=split", "train.steps=20")
+    # One process resumes the step-10 checkpoint and takes two frozen steps, saving after each.
+    cfg = load_config(CONFIGS / "tiny.yaml", [*SMALL, *FROZEN, f"train.run_dir={root}", "train.name=one",
+                                              "train.steps=12", "train.checkpoint.every=1"])
+    train(cfg, console=lambda *_: None)
+    # And back: the 4-rank layout resumes the one-process step-11 checkpoint for one frozen step.
+    torchrun(4, "tiny-tp2-ep2.yaml", *ETP, *FROZEN, f"train.run_dir={root}", "train.name=back", "train.steps=12",
+             "--resume", str(root / "one" / "checkpoints" / "step-00000011"))
+    return root
+
+
+def test_tp2_etp2_ep2_resume_is_bit_exact(etp_runs):
+    assert records(etp_runs / "split") == records(etp_runs / "straight")
+    a = consolidated_model_state(etp_runs / "split" / "checkpoints" / "step-00000020")
+    b = consolidated_model_state(etp_runs / "straight" / "checkpoints" / "step-00000020")
+    # Saved whole: all 8 experts (not one ep rank's 4), all 64 hidden columns (not one tp rank's 32).
+    assert a["layers.0.ffn.experts.w_up_EDF"].shape == (8, 64, 64)
+    assert a["layers.0.ffn.experts.w_down_EFD"].shape == (8, 64, 64)
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in b)
+
+
+def test_tp2_etp2_ep2_checkpoint_loads_bit_exactly_on_one_process_and_back(etp_runs):
+    saved = consolidated_model_state(etp_runs / "split" / "checkpoints" / "step-00000010")
+    for run, step in (("one", 11), ("one", 12), ("back", 12)):
+        got = consolidated_model_state(etp_runs / run / "checkpoints" / f"step-{step:08d}")
+        assert got.keys() == saved.keys() and all(got[k].equal(saved[k]) for k in saved), (run, step)
+    # The losses at those weights: step 11 on one process is the 4-rank run's step 11, and step
+    # 12 back on 4 ranks is the one process's step 12 (same weights, same batch).
+    want = {r["step"]: r["loss"] for r in records(etp_runs / "straight")}
+    one = {r["step"]: r["loss"] for r in records(etp_runs / "one")}
+    back = {r["step"]: r["loss"] for r in records(etp_runs / "back")}
+    assert one[11] == pytest.approx(want[11], rel=1e-6)
+    assert list(back) == [12] and back[12] == pytest.approx(one[12], rel=1e-6)
+
+
+def test_tp2_etp2_counts_one_process_flops_plus_the_router(etp_runs):
+    cfg = load_config(CONFIGS / "tiny.yaml", SMALL)
+    extra = tp_repeated_flops(cfg, tp=2, etp=2)
+    assert 0 < extra < 0.05  # the router is a small share; with etp = 1 the experts add ~0.9
+    got, one = counted_over_analytic(etp_runs / "straight"), counted_over_analytic(etp_runs / "one", after=10)
+    assert got == pytest.approx(one + extra, rel=1e-3), (got, one, extra)
+
+
+def test_cp2_trains_like_one_process_and_its_checkpoint_resumes_there(tmp_path):
+    """Context parallel (CP2: each sequence's 32 positions split over two ranks, two chunks each)
+    trains and evaluates like one process (losses within 1e-5 relative for 11 steps), and its
+    step-10 checkpoint, whose weights are only replicated over cp, resumes on one process with
+    the next loss within 1e-6. One launch and one process (~20 s)."""
+    common = [f"train.run_dir={tmp_path}", "train.steps=11", "train.checkpoint.every=10", "train.eval_every=5"]
+    torchrun(2, "tiny.yaml", *common, "train.name=cp2", "parallel.cp=2")
+    train(load_config(CONFIGS / "tiny.yaml", [*SMALL, *common, "train.name=one"]), console=lambda *_: None)
+    got, want = records(tmp_path / "cp2"), records(tmp_path / "one")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 12))
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-5), (g, w)
+        assert (g["val_loss"] is None) == (w["val_loss"] is None), (g, w)
+        if w["val_loss"] is not None:
+            assert g["val_loss"] == pytest.approx(w["val_loss"], rel=1e-5), (g, w)
+    cfg = load_config(CONFIGS / "tiny.yaml", [*SMALL, f"train.run_dir={tmp_path}", "train.name=resumed", "train.steps=11"])
+    train(cfg, resume=str(tmp_path / "cp2" / "checkpoints" / "step-00000010"), console=lambda *_: None)
+    _next_loss_matches(tmp_path / "resumed", tmp_path / "cp2")

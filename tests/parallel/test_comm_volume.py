@@ -60,6 +60,51 @@ def test_expert_parallel_with_fsdp():
     assert got["all_reduce"] == {"calls": CONTROL_CALLS, "bytes": CONTROL_BYTES}
 
 
+def test_expert_tensor_parallel_all_reduces_the_expert_rows():
+    plain, got = predict(tp=2), predict(tp=2, etp=2)
+    # Both tp ranks route all 256 tokens to 2 experts: 512 rows of 64 fp32 each, all-reduced as the
+    # experts' output (forward) and as their input's gradient (backward), in both MoE layers.
+    rows = 256 * 2 * 64 * 4
+    assert got["all_reduce"]["calls"] - plain["all_reduce"]["calls"] == 2 * 2 * 2
+    assert got["all_reduce"]["bytes"] - plain["all_reduce"]["bytes"] == 2 * 2 * 2 * rows
+    assert {k: v for k, v in got.items() if k != "all_reduce"} == {k: v for k, v in plain.items() if k != "all_reduce"}
+
+
+def test_expert_tensor_parallel_halves_the_expert_weights_fsdp_moves():
+    plain, got = predict(dp=4, ep=2, tp=2), predict(dp=4, ep=2, tp=2, etp=2)
+    # Each of the 8 ranks sees 64 tokens, 128 routes: their rows, wherever the all-to-all takes
+    # them, are all-reduced over tp once forward and once backward per MoE layer.
+    assert got["all_reduce"]["bytes"] - plain["all_reduce"]["bytes"] == 2 * 2 * 8 * (128 * 64 * 4)
+    assert got["all_to_all"] == plain["all_to_all"]
+    # The experts' FSDP unit (4 experts of 3 × 64 × 64, on the 2 ranks holding them) loses half
+    # its columns: 4 × 3 × 64 × 32 fewer elements, gathered twice and scattered once on 8 ranks.
+    half = 4 * 3 * 64 * 32 * 4
+    assert plain["all_gather"]["bytes"] - got["all_gather"]["bytes"] == 2 * 2 * 8 * half
+    assert plain["reduce_scatter"]["bytes"] - got["reduce_scatter"]["bytes"] == 2 * 8 * half
+
+
+def test_context_parallel_gathers_keys_values_and_router_statistics():
+    got = predict(cp=2)
+    # Each rank holds 16 of the 32 positions of all 8 sequences; per layer it gathers both ranks'
+    # K and V (8 × 32 positions × K, V × 2 KV heads of 16 fp32) and scatters their gradient back.
+    kv = 8 * 32 * 2 * 2 * 16 * 4
+    # Per MoE layer the routers' counts (8 int64) and, for the Switch loss, 8 score sums and the
+    # token count (fp32), from both ranks; the score sums' gradient is scattered back.
+    counts, stats = 2 * 8 * 8, 2 * 9 * 4
+    # FSDP shards every unit over the two cp ranks: 2 blocks (experts inside), embedding, tail.
+    block = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 8 * 64 + 3 * 8 * 64 * 64
+    elements = 2 * block + 320 * 64 + 64 + 320 * 64
+    # bench/comm_volume.py --layouts cp2 measures these calls and bytes on a real step.
+    assert got["all_gather"] == {"calls": 2 * (2 + 2 + 2 + 4 * 2),
+                                 "bytes": 2 * (2 * kv + 2 * counts + 2 * stats + 2 * elements * 4)}
+    assert got["reduce_scatter"] == {"calls": 2 * (2 + 2 + 4), "bytes": 2 * (2 * kv + 2 * stats + elements * 4)}
+    assert got["all_reduce"] == {"calls": CONTROL_CALLS, "bytes": CONTROL_BYTES}
+    # The sequence loss gathers its statistics per sequence: 8 × (2 × 8 + 1) instead of 8 + 1.
+    seq = by_kind(predict_step(replace(MODEL, moe=replace(MODEL.moe, aux_loss_type="sequence")),
+                               ParallelConfig(cp=2), batch=8, seq_len=32))
+    assert seq["all_gather"]["bytes"] - got["all_gather"]["bytes"] == 2 * 2 * 2 * (8 * 17 - 9) * 4
+
+
 def test_ddp_all_reduces_every_gradient_once():
     got = predict(dp=2, dp_mode="ddp")
     total = 2 * (2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 8 * 64 + 3 * 8 * 64 * 64) + 320 * 64 + 64 + 320 * 64
