@@ -61,6 +61,10 @@ LAYOUTS = {
     "ep2_capacity": ["parallel.dp=2", "parallel.ep=2", "model.moe.capacity_factor=1.0"],
     "pp2": ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"],
     "cp2": ["parallel.cp=2"],
+    "dp2_hsdp_shard1": ["parallel.dp=2", "parallel.dp_mode=hsdp", "parallel.dp_shard=1"],
+    "dp2_zero1": ["parallel.dp=2", "parallel.dp_mode=zero1"],
+    "ep2_zero1": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=zero1"],
+    "ep2_ddp": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=ddp"],
     "cp2_sequence_loss": ["parallel.cp=2", "model.moe.aux_loss_type=sequence"],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
@@ -86,7 +90,9 @@ def _kind(op_name: str) -> str | None:
         return "reduce_scatter"
     if name == "send":
         return "p2p"
-    if "broadcast" in name or "scatter" in name or "gather" in name or name == "reduce":
+    if "broadcast" in name:
+        return "broadcast"
+    if "scatter" in name or "gather" in name or name == "reduce":
         return "other"
     return None  # recv, wait_tensor, barrier: the other side of a counted call, or no data
 
@@ -100,6 +106,7 @@ def _tensors(x) -> list[torch.Tensor]:
 
 
 def _group_size(args) -> int:
+    import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     for a in args:
@@ -107,6 +114,11 @@ def _group_size(args) -> int:
             try:
                 return _resolve_process_group(a).size()
             except (KeyError, RuntimeError, ValueError):
+                continue
+        if isinstance(a, torch.ScriptObject):  # c10d ops carry the group boxed
+            try:
+                return dist.ProcessGroup.unbox(a).size()
+            except (RuntimeError, TypeError):
                 continue
         size = getattr(a, "size", None)
         if callable(size) and not isinstance(a, torch.Tensor):
@@ -162,7 +174,7 @@ def measure(name: str) -> dict:
     """One warm-up step, then one counted step of layout `name`; the counts summed over ranks."""
     import torch.distributed as dist
 
-    from moetron.launcher.optim import build_optimizer
+    from moetron.launcher.optim import optimizer_for
     from moetron.launcher.trainer import StopFlag, build_parallel_model, train_step
 
     cfg = layout_config(name)
@@ -170,7 +182,7 @@ def measure(name: str) -> dict:
     device = torch.device("cpu")
     torch.manual_seed(t.seed)
     pm = build_parallel_model(cfg, device)
-    optimizer = build_optimizer(pm.module, t)
+    optimizer = optimizer_for(pm, t)
     stop = StopFlag()  # never entered: no signal handlers, only the per-step agreement
     g = torch.Generator().manual_seed(t.seed)
     counter = CollectiveCounter()

@@ -44,16 +44,14 @@ def measure(config: str, mode: str) -> dict:
 
     from moetron.launcher.config import load_config
     from moetron.launcher.mfu import config_accounting
-    from moetron.launcher.optim import build_optimizer
+    from moetron.launcher.optim import optimizer_for
     from moetron.launcher.trainer import build_parallel_model, train_step
-    from moetron.parallel.sharded_optimizer import assign_owners
 
     cfg = load_config(config, [*MODES[mode], "train.precision=fp32"], world_size=RANKS)
     t = cfg.train
     torch.manual_seed(t.seed)
     pm = build_parallel_model(cfg, torch.device("cpu"))
-    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if mode == "zero1" else None
-    optimizer = build_optimizer(pm.module, t, owners=owners)
+    optimizer = optimizer_for(pm, t)
     params = [p for _, p in pm.named_parameters()]
     held: dict[str, int] = {}
 

@@ -96,16 +96,14 @@ def measure(name: str, steps: int) -> dict:
 
     from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
 
-    from moetron.launcher.optim import build_optimizer
+    from moetron.launcher.optim import optimizer_for
     from moetron.launcher.trainer import build_parallel_model, train_step
-    from moetron.parallel.sharded_optimizer import assign_owners
 
     cfg = layout_config(name)
     t = cfg.train
     torch.manual_seed(t.seed)
     pm = build_parallel_model(cfg, torch.device("cpu"))
-    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if cfg.parallel.dp_mode == "zero1" else None
-    optimizer = build_optimizer(pm.module, t, owners=owners)
+    optimizer = optimizer_for(pm, t)
     g = torch.Generator().manual_seed(t.seed)
 
     def step():

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from moetron.launcher.config import TrainConfig
-from moetron.parallel.sharded_optimizer import Owner, ShardedAdamW
+from moetron.parallel.sharded_optimizer import Owner, ShardedAdamW, assign_owners
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Owner] | None = None) -> torch.optim.AdamW:
-    """Matrices and expert weights decay; norms, biases and embeddings do not (GPT-2, Megatron).
+    """Matrices and expert weights decay; norms, biases, embeddings and T5's position-bias table
+    (an embedding of offset buckets) do not (GPT-2, Megatron).
 
     With `owners` (dp_mode=zero1, `assign_owners`) each rank keeps and updates only its own
     parameters' state (parallel/sharded_optimizer.py)."""
@@ -20,13 +21,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Own
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 and "embed" not in name else no_decay).append(p)
+        (decay if p.ndim >= 2 and "embed" not in name and "t5_bias" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # foreach=False keeps the update order, and so the result, independent of how params are grouped.
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False)
     if owners is not None:
         return ShardedAdamW(groups, owners=owners, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
+
+
+def optimizer_for(pm, cfg: TrainConfig) -> torch.optim.AdamW:
+    """The optimizer of a ParallelModel: ZeRO-1's sharded one under dp_mode=zero1, else AdamW."""
+    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if pm.cfg.dp_mode == "zero1" else None
+    return build_optimizer(pm.module, cfg, owners=owners)
 
 
 def lr_at(step: int, cfg: TrainConfig, decay_steps: int | None = None) -> float:

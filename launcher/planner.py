@@ -40,17 +40,19 @@ from typing import Iterator
 
 from moetron.launcher.config import Config, ConfigError, validate, validate_launch
 from moetron.launcher.device_profiles import DeviceProfile
-from moetron.model.flops import flops_by_component, flops_per_token, memory_per_rank, params_embedding, params_total
+from moetron.model.flops import (flops_by_component, flops_per_token, matmul_params, memory_per_rank, params_embedding,
+                                 params_total)
 from moetron.parallel.comm_volume import predict_step
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import MESH_DIMS, mesh_shape
 
 MEMORY_HEADROOM = 0.9
 # Which mesh group a communication-volume line travels over, by its purpose's first word.
-PURPOSE_DIM = {"tp": "tp", "sp": "tp", "etp": "tp", "ep": "ep", "cp": "cp", "pp": "pp", "fsdp": "dp", "hsdp": "dp",
-               "ddp": "dp", "zero1": "dp", "control": "world"}
+PURPOSE_DIM = {"tp": "tp", "sp": "tp", "etp": "tp", "ep": "ep", "cp": "cp", "pp": "pp", "fsdp": "dp",
+               "hsdp": "dp_shard", "hsdp-replicas": "dp_rep", "ddp": "dp", "zero1": "dp", "control": "world"}
 WIRE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0}
+               "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0,
+               "broadcast": lambda n: 1.0}
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,11 @@ def _group_span(par: ParallelConfig, dim: str) -> tuple[int, int]:
     if dim == "dp":  # the ranks of one copy of the weights: rep × edps × cp × ep, tp innermost
         n = par.dp * par.cp
         return n, n * par.tp
+    if dim == "dp_shard":  # HSDP's shard group: edps × cp × ep
+        n = par.shard_group * par.cp
+        return n, n * par.tp
+    if dim == "dp_rep":  # HSDP's replicas, one per shard group: spread over the whole stage
+        return par.dp // par.shard_group, par.world_size // par.pp
     return sizes[dim], sizes[dim] * stride[dim]
 
 
@@ -292,17 +299,22 @@ def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, ac
 
 
 @functools.lru_cache(maxsize=16)
-def _block_params(m) -> float:
-    return (params_total(m) - params_embedding(m)) / m.n_layers
+def _block_params(m) -> tuple[float, float]:
+    """(parameters of one block outside the routed experts, routed-expert parameters of one MoE block)."""
+    experts = matmul_params(m, active=False)["experts"]
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    dense = (params_total(m) - params_embedding(m) - experts) / m.n_layers
+    return dense, experts / max(n_moe, 1)
 
 
 def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int) -> float:
-    """Communication buffers: FSDP/HSDP's gathered copy of two blocks; EP's send + receive rows."""
+    """Communication buffers: FSDP/HSDP's gathered copy of two blocks (the routed experts being
+    their own unit, E/ep of them); EP's send + receive rows."""
     m = cfg.model
     out = 0.0
     if par.dp_mode in ("fsdp", "hsdp") and par.dp * par.cp > 1:
-        per_block = _block_params(m) / par.tp
-        out += 2 * per_block * 4
+        dense, experts = _block_params(m)
+        out += 2 * (dense / par.tp + experts / (par.ep * par.etp)) * 4
     if par.ep > 1 and m.moe.enabled:
         rows = micro * cfg.train.seq_len / par.cp * m.moe.top_k
         out += 2 * rows * m.d_model * act_bytes

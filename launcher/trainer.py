@@ -32,7 +32,7 @@ from moetron.launcher.nonfinite import (
     optimizer_tensors,
     stop_message,
 )
-from moetron.launcher.optim import build_optimizer, lr_at, set_lr
+from moetron.launcher.optim import lr_at, optimizer_for, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model.transformer import Decoder, build_model
@@ -40,7 +40,6 @@ from moetron.parallel.checkpoint import Checkpointer, load_checkpoint
 from moetron.parallel.expert_bias import biased_routers, clear_expert_counts, update_expert_biases
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
-from moetron.parallel.sharded_optimizer import assign_owners
 
 
 class StopFlag:
@@ -246,8 +245,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
     model = pm.module  # all of this rank's parameters, whatever the pipeline schedule
     for part in pm.modules:
         part.set_kernel_backend(cfg.kernel.backend)
-    owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if cfg.parallel.dp_mode == "zero1" else None
-    optimizer = build_optimizer(model, t, owners=owners)
+    optimizer = optimizer_for(pm, t)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
     val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
     step, tokens, elapsed = 0, 0, 0.0

@@ -40,7 +40,11 @@ so a per-token tensor summed over the R ranks of a stage is T·tp tokens):
   data parallel     FSDP: every unit's parameters all-gathered in forward and again in backward
                     (the root unit, which holds only what no child holds, is kept for backward),
                     its gradients reduce-scattered once per step; DDP: one gradient all-reduce
-                    per unit and step, over the dp × cp ranks holding the same weights. Units:
+                    per unit and step, over the dp × cp ranks holding the same weights; HSDP: FSDP's
+                    gathers and reduce-scatters inside a shard group of dp_shard × cp ranks, then
+                    an all-reduce of each rank's gradient shard across the dp / dp_shard groups;
+                    ZeRO-1: DDP's all-reduce, then one broadcast per parameter tensor from the
+                    rank that updated it (a broadcast's size is the tensor). Units:
                     each block, each block's routed experts (on the dp/ep × cp ranks holding the
                     same experts, when ep > 1), the embedding, the final norm with the head.
                     Sizes are this rank's tp/ep shard, dim 0 padded to the group.
@@ -59,7 +63,7 @@ from dataclasses import dataclass
 from moetron.model.config import ModelConfig
 from moetron.parallel.config import ParallelConfig
 
-KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p")
+KINDS = ("all_to_all", "all_reduce", "all_gather", "reduce_scatter", "p2p", "broadcast")
 
 
 @dataclass(frozen=True)
@@ -203,15 +207,23 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
     out: list[Traffic] = []
     ranks = s.stage_ranks
     for u in _units(m, p):
-        if u.group == 1:
+        if u.group * u.replicas == 1:
             continue
-        if p.dp_mode == "fsdp":
-            gathers = (1 if u.root else 2) * s.chunks * ranks
-            out.append(Traffic("all_gather", "fsdp parameters (fwd + bwd)", gathers,
-                               gathers * u.elements * param_bytes))
-            out.append(Traffic("reduce_scatter", "fsdp gradients", ranks, ranks * u.elements * grad_bytes))
+        if p.dp_mode in ("fsdp", "hsdp"):
+            name = "hsdp" if p.dp_mode == "hsdp" else "fsdp"
+            if u.group > 1:
+                gathers = (1 if u.root else 2) * s.chunks * ranks
+                out.append(Traffic("all_gather", f"{name} parameters (fwd + bwd)", gathers,
+                                   gathers * u.elements * param_bytes))
+                out.append(Traffic("reduce_scatter", f"{name} gradients", ranks, ranks * u.elements * grad_bytes))
+            if u.replicas > 1:
+                out.append(Traffic("all_reduce", "hsdp-replicas gradient shards", ranks,
+                                   ranks * u.elements // u.group * grad_bytes))
         else:
             out.append(Traffic("all_reduce", "ddp gradients", ranks, ranks * u.elements * grad_bytes))
+            if p.dp_mode == "zero1":
+                out.append(Traffic("broadcast", "zero1 updated parameters", ranks * u.tensors,
+                                   ranks * u.elements * param_bytes))
     return out
 
 
@@ -222,14 +234,20 @@ class _Unit:
     forward to backward)."""
 
     elements: int
-    group: int
+    group: int  # ranks sharding it (FSDP, HSDP's shard group) or replicating it (DDP, ZeRO-1)
     root: bool = False
+    replicas: int = 1  # HSDP: groups holding a copy each
+    tensors: int = 1  # parameter tensors in it (ZeRO-1 broadcasts each)
 
 
 def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
     """Every data-parallel unit of the model (each lives on one pipeline stage)."""
     tp, ep = p.tp, p.ep
-    dp, edp = p.dp * p.cp, p.dp // ep * p.cp  # the ranks holding the same dense weights; experts
+    # The ranks sharing (or replicating) one copy of the dense weights; of the experts. HSDP
+    # shards inside groups of dp_shard and keeps `replicas` copies.
+    shard = p.shard_group if p.dp_mode == "hsdp" else p.dp
+    replicas = p.dp // shard
+    dp, edp = shard * p.cp, shard // ep * p.cp
     D, Dh, F, Fe = m.d_model, m.dim_head, m.d_ff, m.d_expert_ff // p.etp
     mats = 3 if m.activation == "swiglu" else 2
     norm = [(D,)] * (2 if m.norm == "layernorm" else 1)
@@ -255,18 +273,18 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
                 block += ffn(m.moe.shared_expert_d_ff, 1)  # replicated over tp
             experts = [(m.moe.num_experts // ep, D, Fe)] * (mats - 1) + [(m.moe.num_experts // ep, Fe, D)]
             if ep > 1:
-                units.append(_Unit(size(experts, edp), edp))
+                units.append(_Unit(size(experts, edp), edp, replicas=replicas, tensors=len(experts)))
             else:
                 block += experts
         else:
             block += ffn(F, tp)
-        units.append(_Unit(size(block, dp), dp))
-    units.append(_Unit(size([(m.vocab_size // tp, D)], dp), dp))
+        units.append(_Unit(size(block, dp), dp, replicas=replicas, tensors=len(block)))
+    units.append(_Unit(size([(m.vocab_size // tp, D)], dp), dp, replicas=replicas))
     if m.position == "learned":
-        units.append(_Unit(size([(m.max_seq_len, D)], dp), dp, root=True))
+        units.append(_Unit(size([(m.max_seq_len, D)], dp), dp, root=True, replicas=replicas))
     tail = (norm if m.norm_position == "pre" else []) + ([] if m.tie_embeddings else [(m.vocab_size // tp, D)])
     if tail:
-        units.append(_Unit(size(tail, dp), dp))
+        units.append(_Unit(size(tail, dp), dp, replicas=replicas, tensors=len(tail)))
     return units
 
 

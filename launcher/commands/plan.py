@@ -29,6 +29,8 @@ def register(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--where", nargs="+", metavar="FIELD=VALUE", default=(),
+                   help="show only layouts with these parallel fields (e.g. pp=4 ep=8 tp=1), with their rank")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--overrides-only", action="store_true",
                    help="print only the best layout's config overrides (for scripts and --layout auto)")
@@ -57,13 +59,29 @@ def run(args) -> int:
     if args.overrides_only:
         print(" ".join(result.ranked[0].layout.overrides()))
         return 0
+    shown = matching(result.ranked, args.where)
     if args.json:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "profile": profile.to_dict(),
-                          "considered": result.considered, "ranked": [p.to_dict() for p in result.ranked[:args.top]],
-                          "dropped": [p.to_dict() for p in result.dropped[:args.top]]}))
+                          "considered": result.considered,
+                          "ranked": [{"rank": i, **p.to_dict()} for i, p in shown[:args.top]],
+                          "dropped": [p.to_dict() for p in matching(result.dropped, args.where)[:args.top]]}))
         return 0
-    print_plan(cfg, args, profile, result)
+    print_plan(cfg, args, profile, result, shown)
     return 0
+
+
+def matching(predictions, where) -> list:
+    """(1-based rank, prediction) of those whose parallel fields equal every FIELD=VALUE of `where`."""
+    from moetron.launcher.config import ConfigError
+
+    wanted = {}
+    for item in where:
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(predictions[0].layout.parallel if predictions else None, key):
+            raise ConfigError(f"--where {item!r}: expected FIELD=VALUE with a parallel field, e.g. pp=4")
+        wanted[key] = value
+    return [(i, p) for i, p in enumerate(predictions, 1)
+            if all(str(getattr(p.layout.parallel, k)).lower() == v.lower() for k, v in wanted.items())]
 
 
 def make_plan(args):
@@ -84,7 +102,7 @@ def make_plan(args):
     return cfg, profile, plan(cfg, args.gpus, profile, gpus_per_node=args.gpus_per_node)
 
 
-def print_plan(cfg, args, profile, result) -> None:
+def print_plan(cfg, args, profile, result, shown) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -98,7 +116,7 @@ def print_plan(cfg, args, profile, result) -> None:
     for col in ("#", "layout", "step s", "tokens/s", "MFU", "GiB/rank w+g+o+act+buf", "comm GB/rank intra | inter",
                 "exposed comm s", "bubble"):
         table.add_column(col, no_wrap=col != "layout")
-    for i, p in enumerate(result.ranked[:args.top], 1):
+    for i, p in shown[:args.top]:
         m = p.memory
         parts = "+".join(f"{m[k] / gib:.1f}" for k in ("weights", "grads", "optimizer", "activations", "buffers"))
         table.add_row(str(i), p.layout.label(), f"{p.step_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
@@ -108,6 +126,8 @@ def print_plan(cfg, args, profile, result) -> None:
     console.print(table)
     best = result.ranked[0]
     console.print("best as overrides: " + " ".join(best.layout.overrides()))
+    if args.where and not shown:
+        console.print(f"no fitting layout has {' '.join(args.where)}")
     if result.dropped:
         console.print(f"does not fit (leanest variant of each, smallest first), e.g. "
                       f"{result.dropped[0].layout.label()}: {result.dropped[0].reason}")

@@ -29,15 +29,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetron.launcher.config import TrainConfig
-from moetron.launcher.optim import build_optimizer
+from moetron.launcher.optim import optimizer_for
 from moetron.launcher.trainer import train_step
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
-from moetron.parallel.checkpoint import ExpertShards, load_checkpoint, save_checkpoint
+from moetron.parallel.checkpoint import load_checkpoint, save_checkpoint
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import parallelize
-from moetron.parallel.sharded_optimizer import assign_owners
 
 LOSS_RTOL = 1e-5
 SAVE_AT, NEXT, SEED = 2, 3, 7
@@ -58,6 +57,8 @@ LAYOUTS = {
     "dp4_ddp": dict(dp=4, dp_mode="ddp"),
     "hsdp2x2_ep2": dict(dp=4, ep=2, dp_mode="hsdp", dp_shard=2),
     "zero1_dp4_ep2": dict(dp=4, ep=2, dp_mode="zero1"),
+    "cp2_dp2": dict(dp=2, cp=2),
+    "tp2_etp2_ep2": dict(dp=2, tp=2, ep=2, etp=2, sequence_parallel=True),
 }
 
 
@@ -78,10 +79,8 @@ class Run:
         mesh = build_mesh(self.pcfg, dist.get_world_size())
         self.pm = parallelize(build_model(MODEL, device="meta"), mesh, self.pcfg, seed=SEED,
                               device=torch.device("cpu"), cross_entropy=cross_entropy)
-        owners = (assign_owners(self.pm.named_parameters(), mesh, self.pm.expert_sharded)
-                  if self.pcfg.dp_mode == "zero1" else None)
-        self.opt = build_optimizer(self.pm.module, TRAIN, owners=owners)
-        self.shards = ExpertShards(frozenset(self.pm.expert_sharded), mesh.sub("ep")) if self.pm.expert_sharded else None
+        self.opt = optimizer_for(self.pm, TRAIN)
+        self.shards = self.pm.expert_shards()
 
     def steps(self, data: list[torch.Tensor]) -> list[float]:
         return [train_step(self.pm, self.opt, b, grad_accum=1, grad_clip=1.0,

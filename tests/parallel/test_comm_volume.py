@@ -130,3 +130,28 @@ def test_grad_accumulation_repeats_gathers_not_scatters(accum):
 def test_one_process_communicates_nothing():
     assert all(v == {"calls": 0, "bytes": 0} for v in predict().values())
     assert predict_step(replace(MODEL, moe=MoEConfig()), ParallelConfig(), batch=8, seq_len=32) == []
+
+
+def test_hsdp_shards_inside_a_group_and_all_reduces_shards_across_groups():
+    """HSDP 2 × 2 on 4 ranks: FSDP's traffic inside each pair, then each rank's half of every
+    gradient all-reduced with the other pair's."""
+    fsdp2 = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=4, seq_len=32))
+    hsdp = by_kind(predict_step(MODEL, ParallelConfig(dp=4, dp_mode="hsdp", dp_shard=2), batch=8, seq_len=32))
+    # Per shard group the gathers and scatters equal FSDP on 2 ranks with the same tokens per rank.
+    assert hsdp["all_gather"] == {k: 2 * v for k, v in fsdp2["all_gather"].items()}
+    assert hsdp["reduce_scatter"] == {k: 2 * v for k, v in fsdp2["reduce_scatter"].items()}
+    # One all-reduce per unit and rank, of that rank's shard: half of the unit, summed over 4 ranks.
+    units = fsdp2["reduce_scatter"]["calls"] // 2
+    shard_bytes = fsdp2["reduce_scatter"]["bytes"] // 2 // 2
+    control_calls, control_bytes = 4 * 3, 4 * (8 + 8 + 4)
+    assert hsdp["all_reduce"] == {"calls": 4 * units + control_calls, "bytes": 4 * shard_bytes + control_bytes}
+
+
+def test_zero1_all_reduces_like_ddp_then_broadcasts_every_parameter():
+    ddp = predict(dp=2, dp_mode="ddp")
+    zero1 = predict(dp=2, dp_mode="zero1")
+    assert zero1["all_reduce"] == ddp["all_reduce"]
+    # 2 blocks of 2 norms, q, k, v, o, router and 3 expert tensors; the embedding; final norm and head.
+    tensors = 2 * (2 + 4 + 1 + 3) + 1 + 2
+    grads = ddp["all_reduce"]["bytes"] - CONTROL_BYTES
+    assert zero1["broadcast"] == {"calls": 2 * tensors, "bytes": grads}

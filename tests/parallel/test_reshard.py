@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The matrix: each resumes every other's checkpoint (and one process's, and one process theirs).
 MATRIX = ["tp2_ep2", "pp2_dp2_1f1b", "pp2_vpp2_dp2", "dp4_fsdp", "dp4_ddp"]
 # To and from one process only.
-MORE = ["hsdp2x2_ep2", "zero1_dp4_ep2"]
+MORE = ["hsdp2x2_ep2", "zero1_dp4_ep2", "cp2_dp2", "tp2_etp2_ep2"]
 
 
 def launch(world: int, out: Path, *args: str) -> list[dict]:
