@@ -24,7 +24,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Commands that take key=value overrides take them after their options too
+    # (`moetron eval RUN --seq-len 512 model.rope_scaling=yarn`), which argparse alone refuses.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not isinstance(getattr(args, "overrides", None), list) or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     try:
         return int(args.run(args) or 0)
     except KeyboardInterrupt:

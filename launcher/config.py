@@ -376,6 +376,9 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
         out.append(("parallel.etp", p.etp, f"must divide the expert hidden size ({m.d_expert_ff})"))
     if p.pp > 1 and m.tie_embeddings:
         out.append(("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) with parallel.pp > 1"))
+    if p.pp > 1 and m.position == "t5":
+        out.append(("model.position", "t5", "T5's bias table is shared by every layer, so it cannot be split "
+                    "between pipeline stages (parallel.pp > 1)"))
     if p.sequence_parallel and p.tp > 1:
         if t.seq_len % p.tp:
             out.append(("train.seq_len", t.seq_len, f"must be divisible by parallel.tp ({p.tp}) with sequence_parallel"))

@@ -1,5 +1,6 @@
 """A trained model outside training: find a run's checkpoint, rebuild the model from it, write a
-weights-only checkpoint, and find the tokenizer that goes with it. Used by `generate` and `convert`.
+weights-only checkpoint, and find the tokenizer that goes with it. Used by `generate`, `eval` and
+`convert`.
 
 A weights-only checkpoint is a checkpoint folder like the trainer's (DCP shards under the key
 "model", state.json holding the resolved config, COMPLETE) without optimizer, sampler or RNG
@@ -19,7 +20,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from moetron.launcher.config import Config, ConfigError, TrainConfig, config_from_dict
+from moetron.launcher.config import Config, ConfigError, TrainConfig, apply_override, config_from_dict
 from moetron.launcher.run_dir import RunError
 from moetron.launcher.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from moetron.model.config import ModelConfig
@@ -56,14 +57,34 @@ def checkpoint_config(ckpt: Path) -> Config:
     return config_from_dict(saved)
 
 
-def load_model(ckpt: Path, *, device: torch.device | str = "cpu", dropless: bool = True) -> tuple[Config, Decoder]:
-    """Rebuild the checkpoint's model and load its weights, in eval mode.
+def with_model_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
+    """`cfg` with `model.key=value` overrides applied and validated: how a trained model is run with
+    settings that hold no weights, e.g. RoPE scaling (model.rope_scaling=yarn
+    model.rope_scaling_factor=4) or a longer model.max_seq_len. YaRN's original context is pinned
+    first to the checkpoint's own max_seq_len, so that raising max_seq_len does not move it.
+    An override that changes a weight's shape fails when the weights are loaded."""
+    if not overrides:
+        return cfg
+    data = cfg.to_dict()
+    if data["model"].get("rope_original_max_seq_len") is None:
+        data["model"]["rope_original_max_seq_len"] = cfg.model.max_seq_len
+    for item in overrides:
+        if not item.strip().startswith("model."):
+            raise ConfigError(f"override {item!r}: only model.* settings apply to a trained model")
+        apply_override(data, item)
+    return config_from_dict(data)
+
+
+def load_model(ckpt: Path, *, device: torch.device | str = "cpu", dropless: bool = True,
+               overrides: list[str] | tuple[str, ...] = ()) -> tuple[Config, Decoder]:
+    """Rebuild the checkpoint's model, with `overrides` (see `with_model_overrides`), and load its
+    weights, in eval mode.
 
     `dropless` lifts the capacity limit: capacity is a training-time throughput knob, and with it a
     token's output would depend on which other tokens share its batch, so that a KV-cache decode
     would no longer equal the same text run as a whole.
     """
-    cfg = checkpoint_config(ckpt)
+    cfg = with_model_overrides(checkpoint_config(ckpt), overrides)
     model_cfg = cfg.model
     if dropless and model_cfg.moe.capacity_factor is not None:
         model_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe, capacity_factor=None))

@@ -1,10 +1,13 @@
-"""Causal self-attention: MHA, GQA and MQA, with RoPE or ALiBi and a KV cache for decoding.
+"""Causal self-attention: MHA, GQA and MQA, with RoPE, ALiBi or T5's bias and a KV cache for decoding.
 
 Legend: B batch, S query positions, L key positions (cache length), D model dim,
 H query heads, G key/value heads (H % G == 0), Dh head dim.
 
 Backends all compute the same thing: "eager" is the plain reference (scores materialized,
 softmax in fp32), "sdpa" is torch's scaled_dot_product_attention, "triton" the flash kernel.
+T5's relative bias is a full (H, S, L) tensor, which the flash kernel's bias path (ALiBi slopes
+only) cannot take: with it every backend runs the reference bias path (eager, or SDPA with the
+bias as its mask).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.model.positions import alibi_bias, apply_rope
+from moetron.model.positions import RelativePositionBias, alibi_bias, apply_rope
 
 
 @dataclass
@@ -44,20 +47,23 @@ class KVCache:
 
 def attention_bias(
     n_queries: int, n_keys: int, *, causal: bool, slopes_H: torch.Tensor | None, device,
-    q_positions_S: torch.Tensor | None = None,
+    q_positions_S: torch.Tensor | None = None, t5_bias: RelativePositionBias | None = None,
 ) -> torch.Tensor | None:
-    """Additive bias (H or 1, S, L): -inf above the causal diagonal, ALiBi's linear distance penalty.
+    """Additive bias (H or 1, S, L): -inf above the causal diagonal, ALiBi's linear distance penalty
+    or T5's learned bias of the offset's bucket.
 
     Keys are positions 0..L−1. Queries are the last `n_queries` of them (prefill: equal; decode:
     one), or the positions `q_positions_S`, in any order (context parallelism's local tokens).
     """
-    if not causal and slopes_H is None:
+    if not causal and slopes_H is None and t5_bias is None:
         return None
     q_pos = torch.arange(n_keys - n_queries, n_keys, device=device) if q_positions_S is None else q_positions_S
     k_pos = torch.arange(n_keys, device=device)
     bias = torch.zeros(1, n_queries, n_keys, device=device)
     if slopes_H is not None:
         bias = alibi_bias(slopes_H, q_pos, k_pos)
+    if t5_bias is not None:
+        bias = t5_bias.bias(q_pos, k_pos).float()
     if causal:
         bias = bias.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
     return bias
@@ -104,8 +110,11 @@ class Attention(nn.Module):
         alibi_slopes_H: torch.Tensor | None = None,
         cache: KVCache | None = None,
         positions_S: torch.Tensor | None = None,
+        t5_bias: RelativePositionBias | None = None,
     ) -> torch.Tensor:
         """`rope` is (cos, sin) for the S new positions; `cache` holds the earlier ones.
+        `t5_bias`: the model's shared relative-bias table, looked up here for these queries and keys
+        (a decode step: the newest position against every cached one).
 
         `positions_S`: the global positions of the S queries when they are not 0..S−1 (context
         parallelism: two chunks of a longer sequence, whose keys `kv_exchange` gathers). The mask
@@ -125,13 +134,15 @@ class Attention(nn.Module):
         if positions_S is not None:
             if self.kv_exchange is not None:
                 k_BGSDh, v_BGSDh = self.kv_exchange.gather_kv(k_BGSDh, v_BGSDh)
-            o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S)
+            o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S, t5_bias)
             return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
-        o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H)
+        o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, t5_bias)
         return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
 
-    def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H) -> torch.Tensor:
+    def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, t5_bias=None) -> torch.Tensor:
         S, L = q_BHSDh.shape[2], k_BGLDh.shape[2]
+        if t5_bias is not None:
+            return self._attend_at(q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, None, t5_bias)
         if self.backend == "triton":
             from moetron.kernels.flash_attention import flash_attention
 
@@ -148,10 +159,11 @@ class Attention(nn.Module):
                 enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
         return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
 
-    def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S) -> torch.Tensor:
-        """Queries at global positions `q_positions_S` over keys at positions 0..L−1."""
+    def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S, t5_bias=None) -> torch.Tensor:
+        """Queries at global positions `q_positions_S` (None: the last S of the keys) over keys at
+        positions 0..L−1, with the bias materialized: eager, else SDPA with it as the mask."""
         bias = attention_bias(q_BHSDh.shape[2], k_BGLDh.shape[2], causal=True, slopes_H=slopes_H,
-                              device=q_BHSDh.device, q_positions_S=q_positions_S)
+                              device=q_BHSDh.device, q_positions_S=q_positions_S, t5_bias=t5_bias)
         if self.backend == "eager":
             return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
         return F.scaled_dot_product_attention(

@@ -116,12 +116,20 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # "pre": x + f(norm(x)) (GPT-2 onward); "post": norm(x + f(x)) (Vaswani et al. 2017).
     norm_position: Literal["pre", "post"] = "pre"
-    position: Literal["rope", "alibi", "sinusoidal", "learned", "none"] = "rope"
+    # "t5": T5's relative position bias, one learned bias per (offset bucket, head), shared by all layers.
+    position: Literal["rope", "alibi", "sinusoidal", "learned", "t5", "none"] = "rope"
+    # T5 buckets: half exact offsets 0..num_buckets/2−1, half log-spaced up to max_distance (T5: 32, 128).
+    t5_num_buckets: int = 32
+    t5_max_distance: int = 128
     rope_theta: float = 10000.0
     # Context extension: "linear" divides positions by the factor (position interpolation),
-    # "ntk" raises the base by factor ** (d / (d - 2)) (NTK-aware scaling).
-    rope_scaling: Literal["none", "linear", "ntk"] = "none"
+    # "ntk" raises the base by factor ** (d / (d - 2)) (NTK-aware scaling), "yarn" interpolates
+    # only the frequencies that turn less than once over the original context and scales q·k by
+    # (0.1·ln(factor) + 1)² (Peng et al. 2023). Each can be set at load time on a model trained without.
+    rope_scaling: Literal["none", "linear", "ntk", "yarn"] = "none"
     rope_scaling_factor: float = 1.0
+    # YaRN's original context (the length the model was trained at); null takes max_seq_len.
+    rope_original_max_seq_len: Optional[int] = None
     max_seq_len: int = 2048
     dropout: float = 0.0
     bias: bool = False
@@ -137,6 +145,10 @@ class ModelConfig:
     @property
     def dim_head(self) -> int:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+
+    @property
+    def rope_original_len(self) -> int:
+        return self.rope_original_max_seq_len or self.max_seq_len
 
     @property
     def d_expert_ff(self) -> int:
@@ -167,6 +179,14 @@ class ModelConfig:
             out.append(("d_model", self.d_model, "must be even for sinusoidal positions"))
         if self.rope_scaling_factor < 1.0:
             out.append(("rope_scaling_factor", self.rope_scaling_factor, "must be >= 1.0"))
+        if self.rope_original_max_seq_len is not None and self.rope_original_max_seq_len < 1:
+            out.append(("rope_original_max_seq_len", self.rope_original_max_seq_len, "must be >= 1, or null"))
+        if self.position == "t5":
+            if self.t5_num_buckets < 2:
+                out.append(("t5_num_buckets", self.t5_num_buckets, "must be >= 2"))
+            elif self.t5_max_distance <= self.t5_num_buckets // 2:
+                out.append(("t5_max_distance", self.t5_max_distance,
+                            f"must exceed t5_num_buckets // 2 ({self.t5_num_buckets // 2}), the exact buckets"))
         if not 0.0 <= self.dropout < 1.0:
             out.append(("dropout", self.dropout, "must be in [0, 1)"))
         if self.norm_eps <= 0 or self.init_std <= 0:

@@ -79,6 +79,16 @@ def params_embedding(cfg: ModelConfig) -> int:
     return cfg.vocab_size * cfg.d_model + learned
 
 
+def params_position(cfg: ModelConfig) -> int:
+    """Parameters the position encoding adds: learned's n_max × D table, T5's buckets × H bias
+    table (one for all layers); sinusoidal, RoPE and ALiBi are computed, not learned."""
+    if cfg.position == "learned":
+        return cfg.max_seq_len * cfg.d_model
+    if cfg.position == "t5":
+        return cfg.t5_num_buckets * cfg.n_heads
+    return 0
+
+
 def params_active(cfg: ModelConfig) -> int:
     """Weights of the matmuls one token passes through (see the module docstring)."""
     return sum(matmul_params(cfg, active=True).values())
@@ -100,7 +110,8 @@ def params_total(cfg: ModelConfig) -> int:
         if moe.shared_expert_d_ff:
             biases += n_moe * (ffn_bias * moe.shared_expert_d_ff + D)
     norms = (2 * cfg.n_layers + (cfg.norm_position == "pre")) * _norm_params(cfg)
-    return params_embedding(cfg) + sum(weights.values()) + biases + norms
+    t5_table = params_position(cfg) if cfg.position == "t5" else 0  # learned's is in params_embedding
+    return params_embedding(cfg) + sum(weights.values()) + biases + norms + t5_table
 
 
 # ---------------------------------------------------------------------------------------------

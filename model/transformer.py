@@ -18,7 +18,14 @@ from moetron.model.attention import Attention, KVCache
 from moetron.model.config import ModelConfig
 from moetron.model.layers import FeedForward, build_norm
 from moetron.model.moe import MoELayer, MoEStats
-from moetron.model.positions import alibi_slopes, rope_cos_sin, rope_inv_freq, sinusoidal_table
+from moetron.model.positions import (
+    RelativePositionBias,
+    alibi_slopes,
+    rope_attention_factor,
+    rope_cos_sin,
+    rope_inv_freq,
+    sinusoidal_table,
+)
 
 
 @dataclass
@@ -73,12 +80,14 @@ class Decoder(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        # One table for every layer, as in T5; attention looks it up for its own queries and keys.
+        self.t5_bias = (RelativePositionBias(cfg.t5_num_buckets, cfg.n_heads, cfg.t5_max_distance)
+                        if cfg.position == "t5" else None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.embed_dropout = nn.Dropout(cfg.dropout)
-        self.register_buffer("rope_inv_freq", rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling,
-                                                            cfg.rope_scaling_factor), persistent=False)
+        self.register_buffer("rope_inv_freq", _rope_inv_freq(cfg), persistent=False)
         self.register_buffer("alibi_slopes_H", alibi_slopes(cfg.n_heads), persistent=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
@@ -104,9 +113,13 @@ class Decoder(nn.Module):
             positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
         h_BSD = self._embed(x, positions_S) if self.embed is not None else x
         if cfg.position == "rope":
-            attn_kwargs["rope"] = rope_cos_sin(positions_S, self.rope_inv_freq)
+            cos_SDh, sin_SDh = rope_cos_sin(positions_S, self.rope_inv_freq)
+            mscale = rope_attention_factor(cfg.rope_scaling, cfg.rope_scaling_factor)
+            attn_kwargs["rope"] = (cos_SDh * mscale, sin_SDh * mscale) if mscale != 1.0 else (cos_SDh, sin_SDh)
         elif cfg.position == "alibi":
             attn_kwargs["alibi_slopes_H"] = self.alibi_slopes_H
+        elif cfg.position == "t5":
+            attn_kwargs["t5_bias"] = self.t5_bias
         aux = h_BSD.new_zeros((), dtype=torch.float32)
         stats: dict[int, MoEStats] = {}
         for name, block in self.layers.items():
@@ -138,14 +151,15 @@ class Decoder(nn.Module):
             nn.init.normal_(self.embed.weight, std=std)
         if self.pos_embed is not None:
             nn.init.normal_(self.pos_embed.weight, std=std)
+        if self.t5_bias is not None:
+            nn.init.normal_(self.t5_bias.weight, std=std)
         for block in self.layers.values():
             block.init_weights(std, out_std)
         if self.norm is not None:
             self.norm.reset_parameters()
         if self.head is not None and not cfg.tie_embeddings:
             nn.init.normal_(self.head.weight, std=std)
-        self.rope_inv_freq.copy_(rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling,
-                                               cfg.rope_scaling_factor))
+        self.rope_inv_freq.copy_(_rope_inv_freq(cfg))
         self.alibi_slopes_H.copy_(alibi_slopes(cfg.n_heads))
 
     def set_kernel_backend(self, backend: str | None) -> None:
@@ -162,6 +176,11 @@ class Decoder(nn.Module):
         ref = self.embed.weight
         return [KVCache.empty(batch, cfg.kv_heads, max_len, cfg.dim_head, dtype=dtype or ref.dtype,
                               device=device or ref.device) for _ in range(cfg.n_layers)]
+
+
+def _rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    return rope_inv_freq(cfg.dim_head, cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor,
+                         cfg.rope_original_len)
 
 
 def build_model(cfg: ModelConfig, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Decoder:

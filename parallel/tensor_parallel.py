@@ -11,6 +11,11 @@ How each weight is split across the tp ranks of mesh["tp"]:
   dense ffn w_gate / w_up Shard(0) column parallel; w_down Shard(1) row parallel
   head.weight             Shard(0): logits stay split over V; the loss is computed by
                           `loss_parallel` without gathering them
+  t5_bias.weight          Shard(1): T5's (buckets, H) bias table as a column-parallel embedding, each
+                          rank holding and looking up its H/tp heads' columns (ALiBi's slopes, fixed,
+                          are sliced the same way by a hook). Split rather than replicated: a rank
+                          only reaches its own columns, so a replicated copy's gradient would need an
+                          all-reduce over tp
   norms, router, experts  replicated; under plain TP every tp rank sees the same tokens, so their
                           gradients are already equal and need no reduction. With parallel.etp = tp
                           the routed experts are split by F instead (expert_tensor_parallel.py).
@@ -64,6 +69,8 @@ def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfi
         plan["norm"] = SequenceParallel()
     if model.head is not None:
         plan["head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1), use_local_output=False)
+    if model.t5_bias is not None:
+        plan["t5_bias"] = ColwiseParallel()  # bucket ids (S, L) in, plain (S, L, H/tp) out
     parallelize_module(model, tp_mesh, plan)
     if sp:
         model.sequence_shards = cfg.tp

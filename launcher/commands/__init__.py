@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from moetron.launcher.commands import convert, data, export, flops, generate, jobs, plan, submit, train
+from moetron.launcher.commands import convert, data, evaluate, export, flops, generate, jobs, plan, submit, train
 
-COMMANDS = [train, data, generate, convert, flops, plan, submit, jobs, export]
+COMMANDS = [train, data, generate, evaluate, convert, flops, plan, submit, jobs, export]
 
 
 def user_errors() -> tuple[type[Exception], ...]:

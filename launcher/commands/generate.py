@@ -1,4 +1,5 @@
-"""`moetron generate RUN_OR_CHECKPOINT (--prompt TEXT | --prompt-ids 1,2,3)`: sample with a KV cache."""
+"""`moetron generate RUN_OR_CHECKPOINT (--prompt TEXT | --prompt-ids 1,2,3) [model.key=value ...]`:
+sample with a KV cache."""
 
 from __future__ import annotations
 
@@ -12,9 +13,12 @@ def register(sub) -> None:
                     "then one token per step from the KV cache. RUN_OR_CHECKPOINT is a run folder "
                     "(its newest complete checkpoint is used) or a checkpoint folder. The tokenizer is "
                     "the run's (or a tokenizer.json beside a converted checkpoint). MoE layers run "
-                    "dropless. Stops after --max-new-tokens or the end-of-text token.",
+                    "dropless. Stops after --max-new-tokens or the end-of-text token. model.key=value "
+                    "overrides change settings that hold no weights, e.g. a longer context with "
+                    "`model.max_seq_len=4096 model.rope_scaling=yarn model.rope_scaling_factor=4`.",
         formatter_class=HelpFormatter)
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
+    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="model settings to change")
     p.add_argument("--prompt", default=None, metavar="TEXT", help="prompt text, encoded with the run's tokenizer")
     p.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most")
@@ -54,7 +58,7 @@ def run(args) -> int:
                           else "cpu")
 
     ckpt = resolve_checkpoint(args.path)
-    cfg, model = load_model(ckpt, device=device)
+    cfg, model = load_model(ckpt, device=device, overrides=args.overrides)
     try:
         tok = checkpoint_tokenizer(ckpt, cfg)
     except FileNotFoundError:

@@ -23,6 +23,7 @@ MOES = {
     ("gelu", "layernorm", "post", "learned", True, True),
     ("relu", "layernorm", "pre", "sinusoidal", True, False),
     ("swiglu", "rmsnorm", "post", "alibi", True, True),
+    ("swiglu", "rmsnorm", "pre", "t5", False, False),
 ])
 def test_params_total_equals_the_built_model(moe, activation, norm, norm_position, position, bias, tie):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=40, activation=activation,
@@ -32,6 +33,8 @@ def test_params_total_equals_the_built_model(moe, activation, norm, norm_positio
     assert flops.params_total(cfg) == sum(p.numel() for p in model.parameters())
     assert flops.params_embedding(cfg) == model.embed.weight.numel() + (
         model.pos_embed.weight.numel() if model.pos_embed is not None else 0)
+    tables = [m.weight for m in (model.pos_embed, model.t5_bias) if m is not None]
+    assert flops.params_position(cfg) == sum(t.numel() for t in tables)
 
 
 def test_active_params_count_the_matmuls_one_token_passes_through():

@@ -23,7 +23,7 @@ def model_for(cfg: ModelConfig, seed: int = 0):
     return build_model(cfg).eval()
 
 
-@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal", "learned", "none"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "sinusoidal", "learned", "t5", "none"])
 @pytest.mark.parametrize("heads", [{"n_kv_heads": 2}, {"n_kv_heads": 1}, {"n_kv_heads": None}],
                          ids=["gqa", "mqa", "mha"])
 def test_cached_decoding_equals_recomputing_the_prefix(position, heads):
@@ -36,7 +36,7 @@ def test_cached_decoding_equals_recomputing_the_prefix(position, heads):
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-@pytest.mark.parametrize("position", ["rope", "alibi"])
+@pytest.mark.parametrize("position", ["rope", "alibi", "t5"])
 def test_chunked_prefill_equals_one_pass(attention, position):
     """Chunks after the first attend to the cache and to themselves (queries not starting at 0)."""
     model = model_for(tiny(attention=attention, position=position))

@@ -10,7 +10,9 @@ import math
 import pytest
 import torch
 
-from moetron.model.positions import apply_rope, rope_cos_sin, rope_inv_freq, sinusoidal_table
+from moetron.model.config import ModelConfig
+from moetron.model.positions import apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq, sinusoidal_table
+from moetron.model.transformer import build_model
 
 DH = 16
 
@@ -27,8 +29,9 @@ def _score(q_Dh, k_Dh, m: int, n: int, **scaling) -> float:
     return float(q @ k)
 
 
-@pytest.mark.parametrize("scaling", [{}, {"scaling": "linear", "factor": 4.0}, {"scaling": "ntk", "factor": 8.0}],
-                         ids=["plain", "linear", "ntk"])
+@pytest.mark.parametrize("scaling", [{}, {"scaling": "linear", "factor": 4.0}, {"scaling": "ntk", "factor": 8.0},
+                                     {"scaling": "yarn", "factor": 8.0, "original_len": 64}],
+                         ids=["plain", "linear", "ntk", "yarn"])
 def test_rope_score_depends_only_on_relative_offset(scaling):
     """q·k after rotation at (m, n) equals that at (m + δ, n + δ) for any δ — and does change
     with the offset n − m (so the check is not vacuous)."""
@@ -103,3 +106,65 @@ def test_sinusoidal_shift_is_a_fixed_linear_map(offset):
     torch.testing.assert_close(pe(held_S) @ m_DD, pe(held_S + offset), rtol=0, atol=1e-4)
     # The map is specific to k: M_k does not carry PE(pos) to PE(pos + k + 1).
     assert (pe(held_S) @ m_DD - pe(held_S + offset + 1)).abs().max() > 0.1
+
+
+def _yarn_by_the_paper(head_dim: int, theta: float, factor: float, original_len: int) -> list[float]:
+    """YaRN's "NTK-by-parts" (Peng et al. 2023, eq. 17–18) written out with math: pair i turns
+    r_i = L / (2π·θ^(2i/Dh)) times over the original context L; γ ramps from 0 at r = 1 (fully
+    interpolated, θ_i / s) to 1 at r = 32 (kept), over pair indices rounded outward."""
+    def pair_at(r):
+        return head_dim * math.log(original_len / (r * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(pair_at(32)), 0), min(math.ceil(pair_at(1)), head_dim - 1)
+    out = []
+    for i in range(head_dim // 2):
+        freq = theta ** (-2 * i / head_dim)
+        interpolated = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(freq / factor * interpolated + freq * (1 - interpolated))
+    return out
+
+
+@pytest.mark.parametrize("head_dim,theta,factor,original_len", [(64, 10000.0, 4.0, 256), (128, 500000.0, 8.0, 8192),
+                                                                 (16, 10000.0, 16.0, 256)])
+def test_rope_yarn_frequencies_follow_the_paper(head_dim, theta, factor, original_len):
+    """High frequencies kept, low ones divided by the factor, a linear ramp between; the
+    attention temperature √(1/t) = 0.1·ln(s) + 1."""
+    ours = rope_inv_freq(head_dim, theta, "yarn", factor, original_len).double()
+    paper = torch.tensor(_yarn_by_the_paper(head_dim, theta, factor, original_len), dtype=torch.float64)
+    torch.testing.assert_close(ours, paper, rtol=1e-6, atol=0)
+    plain = rope_inv_freq(head_dim, theta).double()
+    assert ours[0] == plain[0] and math.isclose(float(plain[-1] / ours[-1]), factor, rel_tol=1e-6)
+    assert math.isclose(rope_attention_factor("yarn", factor), 0.1 * math.log(factor) + 1)
+    assert rope_attention_factor("ntk", factor) == rope_attention_factor("yarn", 1.0) == 1.0
+
+
+@pytest.mark.parametrize("head_dim,theta,factor,original_len", [(64, 10000.0, 4.0, 256), (128, 500000.0, 8.0, 8192),
+                                                                 (32, 10000.0, 16.0, 2048)])
+def test_rope_yarn_equals_transformers(head_dim, theta, factor, original_len):
+    """transformers' ROPE_INIT_FUNCTIONS["yarn"] (beta_fast 32, beta_slow 1, truncate): same
+    frequencies and the same cos/sin factor."""
+    rope_utils = pytest.importorskip("transformers.modeling_rope_utils")
+    from transformers import LlamaConfig
+
+    hf_cfg = LlamaConfig(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                         max_position_embeddings=int(original_len * factor),
+                         rope_parameters={"rope_type": "yarn", "rope_theta": theta, "factor": factor,
+                                          "original_max_position_embeddings": original_len})
+    inv_freq, attention_factor = rope_utils.ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(head_dim, theta, "yarn", factor, original_len), inv_freq.float(),
+                               rtol=1e-6, atol=0)
+    assert math.isclose(rope_attention_factor("yarn", factor), attention_factor, rel_tol=1e-12)
+
+
+def test_yarn_scales_the_model_s_cos_and_sin_by_its_temperature():
+    """The Decoder hands attention cos and sin × (0.1·ln s + 1), so q·k is scaled by its square."""
+    cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64,
+                      rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_seq_len=16)
+    model = build_model(cfg)
+    seen = {}
+    model.layers["0"].attn.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    model(torch.zeros(1, 5, dtype=torch.long))
+    cos, sin = rope_cos_sin(torch.arange(5), rope_inv_freq(16, 10000.0, "yarn", 4.0, 16))
+    mscale = 0.1 * math.log(4.0) + 1
+    torch.testing.assert_close(seen["rope"][0], cos * mscale)
+    torch.testing.assert_close(seen["rope"][1], sin * mscale)

@@ -69,6 +69,10 @@ CASES = {
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
     "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
+    # T5's bias table split by head columns, one table for all layers; under cp from global positions.
+    "tp2_t5": (dict(tp=2), {"position": "t5"}, 1),
+    "tp2_sp_t5": (dict(tp=2, sequence_parallel=True), {"position": "t5"}, 1),
+    "cp2_t5": (dict(cp=2), {"position": "t5"}, 1),
     "pp2_tp2_sp_sinusoidal": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"),
                               {"position": "sinusoidal"}, 1),
     "dp2_fsdp": (dict(dp=2), {}, 2),
