@@ -21,11 +21,12 @@ import torch
 
 from moetron.launcher.config import load_config
 from moetron.launcher.flop_counter import ComponentFlopCounter, single_process_step
-from moetron.launcher.mfu import CPU_PEAK_SHAPES, device_peak, time_matmul
+from moetron.launcher.mfu import CPU_PEAK_SHAPES, device_peak, memory_gib, time_matmul
 from moetron.launcher.optim import build_optimizer
 from moetron.launcher.trainer import resolve_device, use_bf16
 from moetron.model.flops import flops_per_token, flops_per_token_6n
 from moetron.model.transformer import build_model
+from moetron.parallel.parallelize import apply_compile
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -50,6 +51,7 @@ def run(args) -> dict:
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, device=device)
+    model.set_kernel_backend(cfg.kernel.backend)
     optimizer = build_optimizer(model, t)
 
     def autocast():
@@ -61,10 +63,22 @@ def run(args) -> dict:
 
     load_before = os.getloadavg()[0]
     peak_before = cpu_peak(dtype) if device.type == "cpu" else None
-    for _ in range(args.warmup):
-        step()
+    # FLOPs are counted on an eager step: the counter sees aten ops and moetron's kernels, not
+    # the code that torch.compile generates for them.
+    step()
     with ComponentFlopCounter(model) as counter:
         step()
+    compile_s = 0.0
+    if t.compile:
+        apply_compile(model)
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()  # compiles every block's forward and backward
+        synchronize(device)
+        compile_s = time.perf_counter() - t0
+    for _ in range(args.warmup):
+        step()
+    memory_gib(device)  # resets CUDA's peak: the timed steps' own peak is read after them
     tokens = t.batch_size * t.seq_len
     times = []
     for _ in range(args.steps):
@@ -73,6 +87,7 @@ def run(args) -> dict:
         step()
         synchronize(device)
         times.append(time.perf_counter() - t0)
+    memory = memory_gib(device)
     peak_after = cpu_peak(dtype) if device.type == "cpu" else None
     load_after = os.getloadavg()[0]
 
@@ -88,6 +103,8 @@ def run(args) -> dict:
     return {
         "bench": "mfu", "config": str(args.config), "overrides": args.overrides, "device": str(device),
         "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
+        "kernel_backend": cfg.kernel.backend, "compile": t.compile, "compile_s": compile_s,
+        "params": sum(p.numel() for p in model.parameters()), "memory_gib_peak": memory,
         "batch": t.batch_size, "seq_len": t.seq_len, "steps": args.steps,
         "step_time_s_median": step_time, "step_time_s_spread": [min(times), max(times)],
         "tokens_per_s": tokens_per_s,
@@ -118,6 +135,8 @@ def print_table(result: dict) -> None:
                                           f"{result['flops_per_token_counted']:.4g}"),
         ("model TFLOP/s", f"{result['tflops']:.3f}"),
         ("peak TFLOP/s", f"{result['peak_tflops']:.3f}"),
+        ("kernels / compile (s)", f"{result['kernel_backend']} / {result['compile']} ({result['compile_s']:.1f})"),
+        ("parameters | peak memory (GiB)", f"{result['params'] / 1e9:.2f}B | {result['memory_gib_peak']:.1f}"),
         ("MFU analytic | measured", f"{result['mfu']:.1%} | {result['mfu_measured']:.1%}"),
         ("load average before | after", " | ".join(f"{x:.2f}" for x in result["load_average_before_after"])),
     ]
@@ -137,9 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads; 0 keeps torch's default")
+    parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
     result = run(args)
     print_table(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
     print(json.dumps(result))
 
 

@@ -376,13 +376,15 @@ def _slopes(alibi_slopes_H, like):
     return alibi_slopes_H.to(device=like.device, dtype=torch.float32).contiguous()
 
 
-def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend):
+def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
+                               config: AttnConfig | None = None):
     """Returns (o_BHSD, lse_BHS): the attention output and the natural-log logsumexp of each row
-    of scaled (and biased) logits, which the backward pass needs."""
+    of scaled (and biased) logits, which the backward pass needs. `config` overrides the shipped
+    tile (bench/kernels.py --tune tries candidates through it)."""
     q_BHSD, k_BGSD, v_BGSD = (_inner_contiguous(t) for t in (q_BHSD, k_BGSD, v_BGSD))
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
                                                       softmax_scale, backend)
-    cfg = attention_configs(D, q_BHSD.dtype, backend == "interpret").fwd
+    cfg = config or attention_configs(D, q_BHSD.dtype, backend == "interpret").fwd
     o_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     lse_BHS = torch.empty(B, H, S_Q, dtype=torch.float32, device=q_BHSD.device)
     if o_BHSD.numel() == 0:
@@ -399,14 +401,15 @@ def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, s
 
 
 def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
-                               softmax_scale, backend):
-    """Returns (dq_BHSD, dk_BGSD, dv_BGSD), contiguous, in the inputs' dtype."""
+                               softmax_scale, backend, configs: AttnConfigs | None = None):
+    """Returns (dq_BHSD, dk_BGSD, dv_BGSD), contiguous, in the inputs' dtype. `configs` overrides
+    the shipped tiles (its fwd entry is unused)."""
     do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD = (
         _inner_contiguous(t) for t in (do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD))
     lse_BHS = lse_BHS.contiguous()
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
                                                       softmax_scale, backend)
-    cfgs = attention_configs(D, q_BHSD.dtype, backend == "interpret")
+    cfgs = configs or attention_configs(D, q_BHSD.dtype, backend == "interpret")
     dq_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     dk_BGSD = torch.empty(B, G, S_K, D, dtype=k_BGSD.dtype, device=k_BGSD.device)
     dv_BGSD = torch.empty(B, G, S_K, D, dtype=v_BGSD.dtype, device=v_BGSD.device)

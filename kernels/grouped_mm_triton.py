@@ -173,11 +173,13 @@ def _block_e(E: int) -> int:
     return max(16, 1 << E.bit_length())
 
 
-def grouped_mm_triton(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
-    """y_TN = x_TK @ w_EKN[group of row] with the Triton kernel; any strides."""
+def grouped_mm_triton(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                      config: GemmConfig | None = None) -> torch.Tensor:
+    """y_TN = x_TK @ w_EKN[group of row] with the Triton kernel; any strides. `config` overrides
+    the shipped tile (bench/kernels.py --tune tries candidates through it)."""
     T, K = x_TK.shape
     E, _, N = w_EKN.shape
-    cfg = forward_config(N, x_TK.dtype, backend == "interpret")
+    cfg = config or forward_config(N, x_TK.dtype, backend == "interpret")
     y_TN = torch.empty(T, N, dtype=x_TK.dtype, device=x_TK.device)
     if T == 0 or N == 0:
         return y_TN
@@ -196,10 +198,12 @@ def grouped_mm_triton(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.
     return y_TN
 
 
-def grouped_mm_wgrad_triton(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
-    """dw_EKN[e] = x_TK[rows of e]^T @ dy_TN[rows of e]; zeros for empty groups."""
+def grouped_mm_wgrad_triton(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                            config: GemmConfig | None = None) -> torch.Tensor:
+    """dw_EKN[e] = x_TK[rows of e]^T @ dy_TN[rows of e]; zeros for empty groups. `config`
+    overrides the shipped tile."""
     K, N, E = x_TK.shape[1], dy_TN.shape[1], offsets_E.shape[0]
-    cfg = wgrad_config(x_TK.dtype, backend == "interpret")
+    cfg = config or wgrad_config(x_TK.dtype, backend == "interpret")
     dw_EKN = torch.empty(E, K, N, dtype=x_TK.dtype, device=x_TK.device)
     if dw_EKN.numel() == 0:
         return dw_EKN

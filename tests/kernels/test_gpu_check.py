@@ -1,0 +1,68 @@
+"""bench/gpu_check.sh, the one call a lent GPU gets, dry-run on CPU: every section runs, and the
+report it leaves under $OUT has the promised shape and numbers that agree with each other."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_check  # noqa: E402
+
+
+@pytest.mark.slow
+def test_dry_run_writes_a_complete_report(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "XDG_CACHE_HOME": str(tmp_path)}
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "tests", "kernels", "train_torch"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.md", "logs.txt"]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["schema"] == gpu_check.SCHEMA_VERSION
+    # env is always run first, even when not named.
+    assert [s["section"] for s in report["sections"]] == ["env", "tests", "kernels", "train_torch"]
+    assert all(s["rc"] == 0 for s in report["sections"]), report["sections"]
+    assert report["env"]["matmul_tflops"] > 0 and report["env"]["copy_tb_s"] > 0
+    assert report["tests"]["passed"] >= 1 and not report["tests"]["failed"]
+    kernels = report["kernels"]
+    assert all(c["ok"] for c in kernels["checks"])
+    passes = {(r["op"], r["pass"]) for r in kernels["results"]}
+    assert passes == {("grouped_mm", "fwd"), ("grouped_mm", "dx"), ("grouped_mm", "dw"),
+                      ("attention", "fwd"), ("attention", "bwd")}
+    # Every tuned candidate reproduced torch's result on the interpreter, and each tuned kernel
+    # reports a winner.
+    assert kernels["tuning"] and all(t["status"] == "ok" for t in kernels["tuning"]), kernels["tuning"]
+    assert {b["kernel"] for b in kernels["best_tiles"]} == {"forward", "wgrad", "attn_fwd", "attn_dkdv", "attn_dq"}
+    assert len(report["kernel_verdicts"]) == sum(
+        ("ratio_vs_dense" in r) + ("ratio_vs_grouped_mm" in r) + ("ratio_vs_sdpa_flash" in r) for r in kernels["results"])
+    train = report["train"]["train_torch"]
+    # The FLOP counter's count of what ran agrees with the analytic 6N + attention formula.
+    assert train["flops_per_token_counted"] == pytest.approx(train["flops_per_token_analytic"], rel=0.02)
+    assert train["tokens_per_s"] == pytest.approx(train["batch"] * train["seq_len"] / train["step_time_s_median"])
+    md = (out / "gpu_check.md").read_text()
+    assert "| torch paths (SDPA, torch._grouped_mm), eager |" in md and "Kernel targets:" in md
+    assert "==== kernels (exit 0" in (out / "logs.txt").read_text()
+
+
+def test_verdicts_compare_each_ratio_with_its_target():
+    kernels = {"results": [
+        {"op": "grouped_mm", "shape": "s", "pass": "fwd", "ratio_vs_dense": 0.95, "ratio_vs_grouped_mm": 0.99},
+        {"op": "attention", "shape": "a", "pass": "fwd", "ratio_vs_sdpa_flash": 0.89},
+        {"op": "attention", "shape": "a", "pass": "bwd", "ratio_vs_sdpa_flash": 0.81},
+    ]}
+    verdicts = {v["what"]: v["met"] for v in gpu_check.kernel_verdicts(kernels)}
+    assert verdicts == {"grouped GEMM s fwd vs_dense": True, "grouped GEMM s fwd vs_grouped_mm": False,
+                        "attention a fwd vs SDPA-flash": False, "attention a bwd vs SDPA-flash": True}
+
+
+def test_unknown_section_is_refused_in_one_line(tmp_path):
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "benchmarks"], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
+    assert run.returncode == 2
+    assert run.stderr.count("\n") == 1 and "unknown argument 'benchmarks'" in run.stderr
