@@ -22,7 +22,8 @@ Where they differ, and why: on these layouts calls and bytes agree exactly, the 
 all-reduces included, except `ep2_capacity`, whose all-to-all moves less than predicted: routes
 over an expert's capacity are dropped before dispatch, and the prediction is the dropless upper
 bound (how many are dropped depends on the data). Not measured here, so taken on trust from the
-predictor's docstring: FSDP under pipeline parallelism, 4- and 8-rank mixes, bf16 activations.
+predictor's docstring: 4- and 8-rank mixes, bf16 activations. FSDP under pipeline parallelism
+needs 4 ranks: bench/plan_check.py's pp2_dp2 layouts check its total bytes.
 A kind whose calls differ but bytes agree would mean torch coalesced or split a collective.
 Prints a table and one JSON line.
 """

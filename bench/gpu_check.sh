@@ -47,7 +47,7 @@ else
     CONFIG=(configs/mixtral-h200.yaml)
     STEPS=(--steps 30 --warmup 3)
     TESTS=(tests/kernels)
-    KERNEL_ARGS=(--tune --rep-ms 25 --seq-lens 2048 4096 8192)
+    KERNEL_ARGS=(--rep-ms 25 --seq-lens 4096 8192 ${TUNE:+--tune})
 fi
 
 report() {

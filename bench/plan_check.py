@@ -169,8 +169,10 @@ def predicted(name: str) -> dict:
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
-    """Kendall's tau-a between two orderings of the same items."""
+    """Kendall's tau-a between two orderings of the same items (NaN for fewer than two)."""
     n, score = len(a), 0
+    if n < 2:
+        return float("nan")
     for i in range(n):
         for j in range(i + 1, n):
             score += (1 if (a[i] - a[j]) * (b[i] - b[j]) > 0 else -1 if (a[i] - a[j]) * (b[i] - b[j]) < 0 else 0)

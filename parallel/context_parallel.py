@@ -38,7 +38,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import all_gather_single_autograd
+try:
+    from torch.distributed._functional_collectives import all_gather_single_autograd
+except ImportError:  # torch 2.11 has only all_gather_tensor_autograd (a deprecated alias in 2.13)
+    from torch.distributed._functional_collectives import all_gather_tensor_autograd as all_gather_single_autograd
 
 from moetron.model.moe import MoELayer
 from moetron.model.transformer import Decoder

@@ -31,7 +31,6 @@ from typing import Collection, Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -51,6 +50,9 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
     def wrap(module, on):
         if cfg.dp_mode in ("fsdp", "hsdp"):
             return fully_shard(module, mesh=on)
+        # Imported here: torch builds without it (2.11 has no replicate_with_fsdp) still train without DDP.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
         return replicate(module, mesh=on)
 
     for block in model.layers.values():

@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-# Tolerances relative to the largest entry, for fp32 accumulation on a GPU (tf32 dots) and for
+# Tolerances relative to the largest entry, for fp32 accumulation on a GPU (tf32 dots: 10-bit
+# mantissas; attention gradients reached 2.1e-3 of their largest entry on an H200) and for
 # 16-bit inputs and outputs.
-TOLERANCE = {torch.float32: 2e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
+TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 
 
 @pytest.fixture(autouse=True)

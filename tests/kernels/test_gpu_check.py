@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -16,6 +17,7 @@ import gpu_check  # noqa: E402
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
 def test_dry_run_writes_a_complete_report(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "XDG_CACHE_HOME": str(tmp_path)}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "tests", "kernels", "train_torch"],

@@ -120,6 +120,25 @@ def test_pipeline_sends_activations_and_gradients_per_microbatch():
 
 
 @pytest.mark.parametrize("accum", [1, 2])
+def test_fsdp_under_pipeline_gathers_once_per_microbatch_and_once_for_backward(accum):
+    """pp 2 × dp 2: each unit lives on one stage's 2 ranks. The schedule leaves a stage gathered
+    after a backward, so 2 micro-batches cost 3 gathers per unit, not 4, and it reduces at the end
+    of each of its steps: once per accumulation step. bench/plan_check.py --layouts pp2_dp2_1f1b
+    measures the accum=1 case."""
+    got = by_kind(predict_step(MODEL, ParallelConfig(pp=2, dp=2, microbatches=2), batch=8, seq_len=32,
+                               grad_accum=accum))
+    block = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 8 * 64 + 3 * 8 * 64 * 64
+    elements = 2 * block + 320 * 64 + 64 + 320 * 64  # 2 blocks, embedding (stage 0), tail (stage 1)
+    assert got["all_gather"] == {"calls": accum * 4 * 2 * 3, "bytes": accum * 2 * 3 * elements * 4}
+    assert got["reduce_scatter"] == {"calls": accum * 4 * 2, "bytes": accum * 2 * elements * 4}
+    ddp = by_kind(predict_step(MODEL, ParallelConfig(pp=2, dp=2, microbatches=2, dp_mode="ddp"), batch=8,
+                               seq_len=32, grad_accum=accum))
+    control_calls, control_bytes = 4 * 3, 4 * (8 + 8 + 4)
+    assert ddp["all_reduce"] == {"calls": accum * 4 * 2 + control_calls,
+                                 "bytes": accum * 2 * elements * 4 + control_bytes}
+
+
+@pytest.mark.parametrize("accum", [1, 2])
 def test_grad_accumulation_repeats_gathers_not_scatters(accum):
     one = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=1))
     got = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=accum))
