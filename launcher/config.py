@@ -36,6 +36,11 @@ class CheckpointConfig:
     keep: int = 3
     # Written as `async` in YAML and overrides (a Python keyword, hence the field name).
     async_save: bool = field(default=False, metadata={"key": "async"})
+    # A periodic save that fails (full disk, quota, permissions): "stop" ends the run with the
+    # error (exit 2); "continue" reports it in one line, counts it as `failed_saves` and trains
+    # on. Either way the previous checkpoint stays `latest` and no partial folder is left; the
+    # final save's failure always ends the run with exit 2.
+    on_error: Literal["stop", "continue"] = "stop"
 
     def problems(self) -> list[Problem]:
         out = [(k, getattr(self, k), "must be >= 0") for k in ("every",) if getattr(self, k) < 0]

@@ -12,6 +12,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +37,7 @@ from moetron.launcher.optim import lr_at, optimizer_for, set_lr
 from moetron.launcher.progress import Progress
 from moetron.launcher.run_dir import open_run_dir, truncate_metrics
 from moetron.model.transformer import Decoder, build_model
-from moetron.parallel.checkpoint import Checkpointer, load_checkpoint
+from moetron.parallel.checkpoint import Checkpointer, CheckpointError, load_checkpoint
 from moetron.parallel.expert_bias import biased_routers, clear_expert_counts, update_expert_biases
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
@@ -286,6 +287,20 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
             "elapsed_s": time.perf_counter() - clock0,
             "config": cfg.to_dict(), "layout": {"world_size": info.world_size, **cfg.to_dict()["parallel"]}})
 
+    failed_saves = 0
+
+    def periodic(save: Callable[[], Path | None]) -> Path | None:
+        """A periodic save (or poll of one in flight) under train.checkpoint.on_error."""
+        nonlocal failed_saves
+        try:
+            return save()
+        except CheckpointError as e:  # raised on every rank alike, so every rank goes on alike
+            if t.checkpoint.on_error == "stop":
+                raise
+            failed_saves += 1
+            console(f"{e}; training continues (train.checkpoint.on_error=continue)")
+            return None
+
     last_ckpt = run.resume_from
     stopped = diverged = None
     with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress:
@@ -328,6 +343,8 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
             if result.skipped:
                 console(f"step {step}: skipped, not finite ({result.reason}); weights unchanged")
             if step % t.log_every == 0 or step == t.steps or result.skipped:
+                if failed_saves:
+                    record["failed_saves"] = failed_saves
                 record.update(grad_norm=result.grad_norm, skipped_steps=guard.total, aux_loss=result.aux_loss,
                               tokens_per_s=window_tokens / window_time, step_time=step_time,
                               **moe_summary(result.moe))
@@ -340,13 +357,15 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
             if len(record) > 4:
                 metrics.log(step, record)
             progress.update(step, record)
-            last_ckpt = checkpointer.poll() or last_ckpt
+            last_ckpt = periodic(checkpointer.poll) or last_ckpt
             if guard.exhausted():
                 diverged = stop_message(step, guard.last_reason, guard.limit, last_ckpt)
                 break
             if t.checkpoint.every and step % t.checkpoint.every == 0 and not result.skipped:
-                last_ckpt = checkpoint() or last_ckpt
+                last_ckpt = periodic(checkpoint) or last_ckpt
         stopped = stop.signum
+        # A periodic save still in flight settles first, so its failure is not the final one's.
+        last_ckpt = periodic(checkpointer.wait) or last_ckpt
         # Before a fresh run's first step there is nothing to save, and a checkpoint of an optimizer
         # that never stepped would not restore as one (DCP initializes its state by stepping it).
         if saved_step != step and step > 0 and diverged is None:

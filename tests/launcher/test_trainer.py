@@ -222,3 +222,76 @@ def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing
     assert "Traceback" not in proc.stderr
     after = {p: p.read_bytes() for p in sorted(tmp_run_dir.rglob("*")) if p.is_file() and "tensorboard" not in p.parts}
     assert after == before
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """mount(size_bytes) → a fresh tmpfs of that size (unmounted afterwards); skips where this
+    process may not mount one (tmpfs needs root)."""
+    mounted = []
+
+    def mount(size: int) -> Path:
+        where = tmp_path / f"disk{len(mounted)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+@pytest.mark.parametrize("on_error", ["continue", "stop"])
+def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run_dir, small_disk, on_error):
+    """A real disk that fills up: a ballast file leaves room for one checkpoint beside the last, so
+    the step-4 save fails with ENOSPC; the hook deletes the ballast before step 5. With
+    on_error=continue training goes on with the uninterrupted run's losses and the final step-6
+    save succeeds (its weights equal the uninterrupted run's); with stop the run ends at step 4.
+    Either way the step-2 checkpoint stays `latest` while it is the newest, and no partial
+    folder is left behind."""
+    from moetron.launcher.trainer import StepHooks
+    from moetron.parallel.checkpoint import CheckpointError, consolidated_model_state
+
+    knobs = ("train.steps=6", "train.checkpoint.every=2", "train.checkpoint.keep=1", "train.precision=fp32")
+    ref = train(small(tmp_run_dir, *knobs, "train.name=ref"), console=lambda *_: None)
+    ckpt_bytes = sum(p.stat().st_size for p in (ref / "checkpoints" / "step-00000006").rglob("*") if p.is_file())
+    other_bytes = sum(p.stat().st_size for p in ref.rglob("*") if p.is_file() and "checkpoints" not in p.parts)
+    disk = small_disk(int(2.5 * ckpt_bytes + 4 * other_bytes + 2**20))
+    ballast = disk / "ballast"
+    ballast.write_bytes(b"\0" * ckpt_bytes)
+
+    class FreeSpace(StepHooks):
+        def before_step(self, step, pm):
+            if step == 5:
+                ballast.unlink(missing_ok=True)
+
+    lines = []
+    cfg = load_config(TINY, [*SMALL, f"train.run_dir={disk}", *knobs, "train.name=full",
+                             f"train.checkpoint.on_error={on_error}"])
+    ckpts = disk / "full" / "checkpoints"
+    if on_error == "stop":
+        with pytest.raises(CheckpointError) as err:
+            train(cfg, console=lines.append, hooks=FreeSpace())
+        message = str(err.value)
+        assert message.startswith("saving checkpoint step-00000004 failed: No space left on device"), message
+        assert "step-00000002 and `latest` are intact" in message and "\n" not in message
+        assert [r["step"] for r in records(disk / "full")][-1] == 4
+        assert (ckpts / "latest").read_text().strip() == "step-00000002"
+    else:
+        train(cfg, console=lines.append, hooks=FreeSpace())
+        failed = [line for line in lines if "failed" in line]
+        assert len(failed) == 1 and failed[0].startswith("saving checkpoint step-00000004 failed: No space left")
+        assert failed[0].endswith("training continues (train.checkpoint.on_error=continue)")
+        recs = records(disk / "full")
+        assert [(r["step"], r["loss"]) for r in recs] == [(r["step"], r["loss"]) for r in records(ref)]
+        # Step 4's record is logged before step 4's save, so the count shows from step 6 on.
+        assert [r.get("failed_saves") for r in recs if r["step"] in (2, 4, 6)] == [None, None, 1]
+        assert (ckpts / "latest").read_text().strip() == "step-00000006"
+        ours = consolidated_model_state(ckpts / "step-00000006")
+        theirs = consolidated_model_state(ref / "checkpoints" / "step-00000006")
+        assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith((".tmp", "step-"))) == \
+        (["step-00000002"] if on_error == "stop" else ["step-00000006"])
