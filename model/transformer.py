@@ -138,7 +138,9 @@ class Decoder(nn.Module):
         if self.pos_embed is not None:
             h_BSD = h_BSD + self.pos_embed(positions_S)
         elif self.cfg.position == "sinusoidal":
-            h_BSD = h_BSD + sinusoidal_table(positions_S, self.cfg.d_model).to(h_BSD.dtype)
+            # As Vaswani et al.: token embeddings scaled by √d_model, else the unit-amplitude table
+            # drowns embeddings initialized at std 0.02 (the tiny model then did not learn at all).
+            h_BSD = h_BSD * math.sqrt(self.cfg.d_model) + sinusoidal_table(positions_S, self.cfg.d_model).to(h_BSD.dtype)
         return self.embed_dropout(h_BSD)
 
     @torch.no_grad()

@@ -68,6 +68,11 @@ class ParallelConfig:
                             f"must be a multiple of ep ({self.ep}): an expert-parallel group stays inside a shard group"))
         if self.vpp > 1 and self.schedule not in ("interleaved_1f1b", "zero_bubble"):
             out.append(("vpp", self.vpp, "virtual stages need schedule=interleaved_1f1b or zero_bubble"))
+        if self.pp > 1 and self.schedule == "zero_bubble" and self.dp * self.cp > 1:
+            # torch's split backward (input grads first, weight grads later) fails at the first
+            # backward under FSDP2 and replicate alike ("Failed to run stage backward input").
+            out.append(("schedule", self.schedule, f"does not run with data parallelism (dp × cp = "
+                        f"{self.dp * self.cp}); use interleaved_1f1b or 1f1b"))
         if self.pp > 1 and self.microbatches < self.pp:
             out.append(("microbatches", self.microbatches, f"must be >= pp ({self.pp}) to fill the pipeline"))
         rounds = max(1, self.microbatches // self.pp)

@@ -168,3 +168,15 @@ def test_yarn_scales_the_model_s_cos_and_sin_by_its_temperature():
     mscale = 0.1 * math.log(4.0) + 1
     torch.testing.assert_close(seen["rope"][0], cos * mscale)
     torch.testing.assert_close(seen["rope"][1], sin * mscale)
+
+
+def test_sinusoidal_input_is_scaled_token_embedding_plus_table():
+    """Vaswani et al. §3.4: the first block sees embed(ids)·√d_model + PE(pos)."""
+    cfg = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, d_ff=32, max_seq_len=64, position="sinusoidal")
+    model = build_model(cfg)
+    seen = {}
+    model.layers["0"].register_forward_pre_hook(lambda m, args: seen.update(h=args[0]))
+    ids = torch.randint(0, 16, (2, 7))
+    model(ids)
+    expected = model.embed.weight[ids] * math.sqrt(32) + sinusoidal_table(torch.arange(7), 32)
+    torch.testing.assert_close(seen["h"], expected)

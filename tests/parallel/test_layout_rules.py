@@ -38,6 +38,8 @@ def cfg_with(*overrides):
     (["parallel.pp=2", "parallel.vpp=2"], "virtual stages need schedule"),
     (["parallel.pp=4", "parallel.microbatches=9", "parallel.schedule=zero_bubble", "train.batch_size=18"],
      "multiple of microbatches // pp"),
+    (["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.schedule=zero_bubble"],
+     "does not run with data parallelism (dp × cp = 2)"),
     (["parallel.tp=2", "model.vocab_size=63"], "must divide model.vocab_size"),
     (["parallel.pp=2", "parallel.microbatches=2", "model.tie_embeddings=true"], "cannot tie"),
     (["parallel.tp=2", "parallel.sequence_parallel=true", "train.seq_len=15"], "divisible by parallel.tp"),
