@@ -70,11 +70,13 @@ def attention_bias(
 
 
 def eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, scale: float) -> torch.Tensor:
-    """The reference: repeat K/V per group, materialize scores, softmax in fp32."""
+    """The reference: repeat K/V per group, materialize scores, softmax in fp32 (or fp64 for fp64
+    inputs: the float64 references must not be rounded to fp32 here)."""
     groups = q_BHSDh.shape[1] // k_BGLDh.shape[1]
     k_BHLDh = k_BGLDh.repeat_interleave(groups, dim=1)
     v_BHLDh = v_BGLDh.repeat_interleave(groups, dim=1)
-    scores_BHSL = (q_BHSDh @ k_BHLDh.transpose(-1, -2)).float() * scale
+    softmax_dtype = torch.promote_types(q_BHSDh.dtype, torch.float32)
+    scores_BHSL = (q_BHSDh @ k_BHLDh.transpose(-1, -2)).to(softmax_dtype) * scale
     if bias is not None:
         scores_BHSL = scores_BHSL + bias
     probs_BHSL = scores_BHSL.softmax(dim=-1).to(v_BHLDh.dtype)
