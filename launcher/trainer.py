@@ -303,7 +303,9 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
 
     last_ckpt = run.resume_from
     stopped = diverged = None
-    with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress:
+    # closing: metrics.jsonl and TensorBoard's files are closed on an error too (a failed save).
+    with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress, \
+            contextlib.closing(metrics):
         # Throughput counts the time of training iterations only, not evaluation or checkpoints.
         window_time, window_tokens = 0.0, 0
         clock0 = time.perf_counter() - elapsed  # wall time of every attempt of this run, summed
@@ -371,7 +373,6 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info, devi
         if saved_step != step and step > 0 and diverged is None:
             last_ckpt = checkpoint() or last_ckpt
         last_ckpt = checkpointer.wait() or last_ckpt
-    metrics.close()
     if diverged is not None:
         raise NonFiniteError(diverged)
     if stopped is not None:
