@@ -8,6 +8,14 @@ A step is forward, cross-entropy (+ the router's aux loss), backward and AdamW.
     python bench/model_throughput.py                 # d=256, 4 layers, 8/4 heads, 8 experts of 512, top-2, 8 × 256
     python bench/model_throughput.py --quick         # a smoke run on a small shape
     python bench/model_throughput.py --precision bf16 --steps 30
+    python bench/model_throughput.py --ac             # also moetron's MoE with full and selective checkpointing
+    python bench/model_throughput.py --expert-sweep 8 16 32 64 --no-transformers
+
+moetron's models step with the optimizer `moetron train` builds (fused AdamW where the device has
+it); transformers' with torch's default AdamW. `--ac` reports, beside tokens/s, the heap that one
+forward leaves allocated for backward (glibc's in-use bytes after minus before). `--expert-sweep`
+times moetron's MoE at each expert count with expert width and top-k fixed (active parameters
+fixed, total growing): forward + backward alone and the full step with AdamW, relative to the first.
 
 Prints a table and one JSON line. Numbers are only comparable within a run: on a shared 2-core
 machine other load slows everything several-fold (the run warns when the load average is high).
@@ -31,8 +39,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from moetron.launcher.config import TrainConfig
+from moetron.launcher.optim import build_optimizer
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
+from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
 def moetron_configs(args) -> dict[str, ModelConfig]:
@@ -69,8 +80,11 @@ def transformers_loss(model, ids_BS):
     return model(input_ids=ids_BS, labels=ids_BS).loss
 
 
-def make_step(model, loss_fn, ids_BS, precision):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def make_step(model, loss_fn, ids_BS, precision, *, moetron_optimizer: bool, timed: str = "step"):
+    """One training step as a closure returning its seconds; `timed="fwd_bwd"` returns the time
+    of forward + backward only (the optimizer still steps, untimed)."""
+    opt = (build_optimizer(model, TrainConfig(lr=1e-4)) if moetron_optimizer
+           else torch.optim.AdamW(model.parameters(), lr=1e-4))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
 
     def step() -> float:
@@ -79,13 +93,61 @@ def make_step(model, loss_fn, ids_BS, precision):
         with autocast():
             loss = loss_fn(model, ids_BS)
         loss.backward()
+        fwd_bwd = time.perf_counter() - start
         opt.step()
         elapsed = time.perf_counter() - start
         if not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss {loss.item()}")
-        return elapsed
+        return fwd_bwd if timed == "fwd_bwd" else elapsed
 
     return step
+
+
+def kept_for_backward(model, loss_fn, ids_BS, precision) -> int:
+    """Heap bytes one forward leaves allocated (what autograd keeps for backward, plus the loss)."""
+    from plan_check import HeapPeak  # bench/plan_check.py, beside this script: glibc's in-use bytes
+
+    heap = HeapPeak()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    before = heap.in_use()
+    with autocast:
+        loss = loss_fn(model, ids_BS)
+    kept = heap.in_use() - before
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return kept
+
+
+def expert_sweep(args) -> dict:
+    """tokens/s of moetron's MoE at each expert count, forward + backward and the full step."""
+    ids_BS = torch.randint(0, args.vocab, (args.batch, args.seq_len))
+    tokens = args.batch * args.seq_len
+    steps = {}
+    for experts in args.expert_sweep:
+        torch.manual_seed(0)
+        cfg = moetron_configs(argparse.Namespace(**{**vars(args), "experts": experts}))["moetron-moe"]
+        model = build_model(cfg).train()
+        for timed in ("fwd_bwd", "step"):
+            steps[experts, timed] = make_step(model, moetron_loss, ids_BS, "fp32", moetron_optimizer=True, timed=timed)
+        steps[experts, "params"] = sum(p.numel() for p in model.parameters())
+    times = {k: [] for k, v in steps.items() if callable(v)}
+    for _ in range(args.warmup):
+        for key in times:
+            steps[key]()
+    for _ in range(args.steps):
+        for key in times:
+            times[key].append(steps[key]())
+    tok_s = {k: tokens / statistics.median(v) for k, v in times.items()}
+    first = args.expert_sweep[0]
+    rows = [{"experts": e, "params": steps[e, "params"],
+             "fwd_bwd_tokens_per_s": tok_s[e, "fwd_bwd"], "step_tokens_per_s": tok_s[e, "step"],
+             "fwd_bwd_vs_first": tok_s[e, "fwd_bwd"] / tok_s[first, "fwd_bwd"],
+             "step_vs_first": tok_s[e, "step"] / tok_s[first, "step"]} for e in args.expert_sweep]
+    print(f"{'experts':>8}{'params':>14}{'fwd+bwd tok/s':>15}{'vs E=' + str(first):>9}{'step tok/s':>12}{'vs E=' + str(first):>9}")
+    for r in rows:
+        print(f"{r['experts']:>8}{r['params']:>14,}{r['fwd_bwd_tokens_per_s']:>15,.0f}{r['fwd_bwd_vs_first']:>8.2f}x"
+              f"{r['step_tokens_per_s']:>12,.0f}{r['step_vs_first']:>8.2f}x")
+    return {"expert_sweep": rows}
 
 
 def parse_args(argv=None):
@@ -108,6 +170,9 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--no-transformers", action="store_true", help="time the moetron models only")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 2 × 64, 3 steps, 1 warmup")
+    p.add_argument("--ac", action="store_true", help="add moetron's MoE with full and selective checkpointing")
+    p.add_argument("--expert-sweep", type=int, nargs="+", metavar="E",
+                   help="instead: time moetron's MoE at these expert counts (fp32), expert width fixed")
     args = p.parse_args(argv)
     if args.precision is None:
         args.precision = ["fp32", "bf16"] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else ["fp32"]
@@ -128,8 +193,20 @@ def main(argv=None) -> None:
         print(f"WARNING: 1-minute load average is {load_1m:.2f} before starting; other work on this "
               f"machine will distort the numbers (compare ratios, rerun when it is quiet)", file=sys.stderr)
 
+    if args.expert_sweep:
+        result = expert_sweep(args)
+        print(json.dumps({"bench": "model_throughput", "threads": args.threads, "steps": args.steps,
+                          "load_avg_before": round(load_1m, 2), "load_avg_after": round(os.getloadavg()[0], 2),
+                          "shape": f"d={args.d_model} L={args.layers} expert width {args.d_expert} top-{args.top_k} "
+                                   f"batch={args.batch}x{args.seq_len}", **result}))
+        return
     torch.manual_seed(0)
     models = {name: build_model(cfg) for name, cfg in moetron_configs(args).items()}
+    if args.ac:
+        for mode in ("full", "selective"):
+            models[f"moetron-moe-ac-{mode}"] = build_model(moetron_configs(args)["moetron-moe"])
+            models[f"moetron-moe-ac-{mode}"].load_state_dict(models["moetron-moe"].state_dict())
+            apply_activation_checkpointing(models[f"moetron-moe-ac-{mode}"], mode)
     loss_fns = {name: moetron_loss for name in models}
     if not args.no_transformers:
         models["transformers-mixtral"] = transformers_mixtral(args)
@@ -137,8 +214,11 @@ def main(argv=None) -> None:
     ids_BS = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     tokens = args.batch * args.seq_len
 
-    steps = {(name, prec): make_step(model.train(), loss_fns[name], ids_BS, prec)
+    steps = {(name, prec): make_step(model.train(), loss_fns[name], ids_BS, prec,
+                                     moetron_optimizer=name.startswith("moetron"))
              for prec in args.precision for name, model in models.items()}
+    kept = {(name, prec): kept_for_backward(model, loss_fns[name], ids_BS, prec)
+            for prec in args.precision for name, model in models.items()} if args.ac else {}
     times: dict = {key: [] for key in steps}
     for _ in range(args.warmup):
         for step in steps.values():
@@ -159,17 +239,19 @@ def main(argv=None) -> None:
              f"experts={args.experts}x{args.d_expert} top-{args.top_k} batch={args.batch}x{args.seq_len}")
     print(f"{shape}, {args.threads} threads, median of {args.steps} steps, "
           f"load avg {load_1m:.2f} → {os.getloadavg()[0]:.2f}")
-    print(f"{'precision':<10}{'model':<24}{'params':>12}{'ms/step':>10}{'tokens/s':>12}")
+    print(f"{'precision':<10}{'model':<26}{'params':>12}{'ms/step':>10}{'tokens/s':>12}" + (f"{'kept MiB':>10}" if kept else ""))
     for prec in args.precision:
         for name in models:
             ms = 1e3 * statistics.median(times[name, prec])
-            print(f"{prec:<10}{name:<24}{params[name]:>12,}{ms:>10.1f}{tok_s[prec][name]:>12,.0f}")
+            kept_mib = f"{kept[name, prec] / 2**20:>10.1f}" if kept else ""
+            print(f"{prec:<10}{name:<26}{params[name]:>12,}{ms:>10.1f}{tok_s[prec][name]:>12,.0f}{kept_mib}")
         print(f"{prec:<10}" + "   ".join(f"{k} = {v:.2f}x" for k, v in ratios[prec].items()))
     print(json.dumps({
         "bench": "model_throughput", "shape": shape, "quick": args.quick, "threads": args.threads,
         "steps": args.steps, "load_avg_before": round(load_1m, 2), "load_avg_after": round(os.getloadavg()[0], 2),
         "params": params, "tokens_per_s": {p: {n: round(v, 1) for n, v in r.items()} for p, r in tok_s.items()},
         "ratios": {p: {k: round(v, 3) for k, v in r.items()} for p, r in ratios.items()},
+        "kept_for_backward_bytes": {f"{n}/{p}": v for (n, p), v in kept.items()},
     }))
 
 

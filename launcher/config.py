@@ -88,8 +88,9 @@ class TrainConfig:
     # Intra-op CPU threads; 0 keeps torch's default.
     threads: int = 0
     compile: bool = False
-    # Recompute each block in backward instead of keeping its activations ("full").
-    activation_checkpoint: Literal["none", "full"] = "none"
+    # Recompute each block in backward instead of keeping its activations ("full"), or keep the
+    # matmul and collective outputs and recompute only the cheap ops between them ("selective").
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
     # Per-device peak FLOP/s (in TFLOP/s) that MFU is measured against; 0: the GPU's bf16 dense
     # peak from a table, or on CPU a matmul peak measured once and cached.
     peak_tflops: float = 0.0

@@ -160,7 +160,7 @@ def config_accounting(cfg, *, seq_len: int | None = None, batch: int | None = No
         cfg.model, seq_len=seq_len, micro_batch=micro, pp=par.pp, tp=par.tp, ep=par.ep, dp=par.dp, cp=par.cp,
         etp=par.etp, dp_mode=par.dp_mode, dp_shard=par.dp_shard, sequence_parallel=par.sequence_parallel,
         microbatches_in_flight=in_flight if par.pp > 1 else 1, flash_attention=cfg.model.attention != "eager",
-        activation_bytes=4 if t.precision == "fp32" else 2)
+        activation_checkpoint=t.activation_checkpoint, activation_bytes=4 if t.precision == "fp32" else 2)
     out = accounting(cfg.model, seq_len=seq_len, batch=batch, kv_bytes_per_element=kv_bytes, memory=memory)
     out["layout"] = {"pp": par.pp, "tp": par.tp, "cp": par.cp, "ep": par.ep, "etp": par.etp, "dp": par.dp,
                      "dp_mode": par.dp_mode, "dp_shard": par.shard_group}

@@ -144,7 +144,7 @@ def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
     mesh = build_mesh(cfg.parallel, torch.distributed.get_world_size(), device.type)
     return parallelize(build_model(cfg.model, device="meta"), mesh, cfg.parallel, seed=cfg.train.seed,
                        device=device, cross_entropy=next_token_cross_entropy, compile=cfg.train.compile,
-                       activation_checkpoint=cfg.train.activation_checkpoint == "full")
+                       activation_checkpoint=cfg.train.activation_checkpoint)
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,

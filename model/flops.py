@@ -192,12 +192,15 @@ class MemoryEstimate:
 
 
 def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                                  flash_attention: bool = True, seq_len: int = 0, etp: int = 1) -> dict[str, float]:
+                                  flash_attention: bool = True, seq_len: int = 0, etp: int = 1,
+                                  selective: bool = False) -> dict[str, float]:
     """Elements saved for backward per token by one dense and one MoE layer (Korthikanti et al.
     2022, counted for this implementation). Head- and hidden-sized tensors are split by TP (a routed
     expert's hidden ones by etp: 1 keeps them whole on every tp rank); D-sized ones only under
     sequence parallelism. Eager attention also keeps the S-long scores
-    and probabilities of every head."""
+    and probabilities of every head. `selective` (activation checkpointing that keeps matmul
+    outputs only): an FFN keeps its up-projections' outputs, not the activation's; the router its
+    logits, not its probabilities."""
     D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     d_split = tp if sequence_parallel else 1
     # Two norm inputs and outputs: D each.
@@ -208,13 +211,16 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
         attention += 2 * H * seq_len / tp
     # SwiGLU keeps gate, up, silu(gate) and their product; GeLU/ReLU the pre- and post-activation.
     hidden = 4 if cfg.activation == "swiglu" else 2
+    if selective:
+        hidden //= 2  # gate and up (or the pre-activation); the rest is recomputed
     dense = hidden * cfg.d_ff / tp
     moe = cfg.moe
     routed = 0.0
     if moe.enabled:
         # Router input and probabilities in fp32 (counted double), then per route: the
         # dispatched row, the expert's hidden tensors and its output row.
-        routed = 2 * (D + moe.num_experts) + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp)
+        router = (D + moe.num_experts) * (1 if selective else 2)
+        routed = router + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp)
         routed += hidden * moe.shared_expert_d_ff / tp
     return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
 
@@ -222,7 +228,7 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
 def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int = 1, tp: int = 1, ep: int = 1,
                     dp: int = 1, cp: int = 1, etp: int = 1, dp_mode: str = "fsdp", dp_shard: int = 0,
                     sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
-                    flash_attention: bool = True, activation_checkpoint: bool = False,
+                    flash_attention: bool = True, activation_checkpoint: bool | str = False,
                     param_bytes: int = 4, grad_bytes: int = 4,
                     optimizer_bytes: int = 8, activation_bytes: int = 2) -> MemoryEstimate:
     """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank.
@@ -263,10 +269,12 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
     if dp_mode == "zero1":
         optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
 
+    mode = {True: "full", False: "none"}.get(activation_checkpoint, activation_checkpoint)
     per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
-                                              flash_attention=flash_attention, seq_len=seq_len, etp=etp)
+                                              flash_attention=flash_attention, seq_len=seq_len, etp=etp,
+                                              selective=mode == "selective")
     layer_elements = (n_dense * per_token["dense_layer"] + n_moe * per_token["moe_layer"]) / pp
-    if activation_checkpoint:
+    if mode == "full":
         d_split = tp if sequence_parallel else 1
         layer_elements = cfg.n_layers / pp * cfg.d_model / d_split + max(
             per_token["dense_layer"] if n_dense else 0.0, per_token["moe_layer"] if n_moe else 0.0)

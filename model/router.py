@@ -180,7 +180,10 @@ class Router(nn.Module):
         top_scores_TK = scores_TE.gather(1, expert_TK)
 
         counts_E = torch.bincount(expert_TK.reshape(-1), minlength=cfg.num_experts)
-        if self.training and self.expert_bias_E is not None and not x_TD.is_meta:
+        # Not when activation checkpointing recomputes this forward inside backward (a graph task
+        # is then running): the routes were counted when the forward first ran.
+        if (self.training and self.expert_bias_E is not None and not x_TD.is_meta
+                and torch._C._current_graph_task_id() == -1):
             self.routed_E.append(counts_E.detach())
         if self.sequence_sum is not None:
             # After the bias's count, which must stay local: update_expert_biases sums over every rank.

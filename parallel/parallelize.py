@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.utils.checkpoint import checkpoint
 
 from moetron.model.transformer import Decoder
+from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
 from moetron.parallel.checkpoint_state import ExpertShards
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.context_parallel import apply_context_parallel, split_sequence
@@ -42,12 +42,6 @@ from moetron.parallel.pipeline import (Pipeline, StepRecord, attach_stage_output
 from moetron.parallel.tensor_parallel import apply_tensor_parallel
 
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def apply_activation_checkpointing(model: Decoder) -> None:
-    """Recompute each block in backward instead of keeping its activations (names unchanged)."""
-    for block in model.layers.values():
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def apply_compile(model: Decoder) -> None:
@@ -197,7 +191,7 @@ def _reset(record: StepRecord) -> None:
 
 
 def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
-                cross_entropy: CrossEntropy, activation_checkpoint: bool = False, compile: bool = False) -> ParallelModel:
+                cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
@@ -221,8 +215,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         apply_tensor_parallel(part, mesh, cfg)
         expert_sharded |= apply_expert_parallel(part, mesh)
         expert_tp_split |= apply_expert_tensor_parallel(part, mesh, cfg)
-        if activation_checkpoint:
-            apply_activation_checkpointing(part)
+        apply_activation_checkpointing(part, activation_checkpoint)
         if compile:
             apply_compile(part)
         apply_data_parallel(part, mesh, cfg)

@@ -151,3 +151,18 @@ def test_accounting_has_the_documented_fields():
     assert acct["kv_cache_bytes"] == acct["kv_cache_bytes_per_token"] * 256 * 4
     assert {f for f, _, _ in flops.summary_rows(acct)} >= {"params_active", "flops_per_token", "kv_cache_bytes"}
     assert list(itertools.islice(acct["components"], 1)) == ["attention_projections"]
+
+
+def test_selective_checkpointing_drops_the_activation_and_router_probabilities():
+    """Keeping matmul outputs only: SwiGLU keeps gate and up (not silu(gate) and the product) per
+    FFN hidden unit, the router its logits (not its fp32 probabilities); everything else stays."""
+    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, vocab_size=256, activation="swiglu",
+                      moe=MoEConfig(num_experts=8, top_k=2, d_expert=96))
+    none = flops.activation_elements_per_token(cfg)
+    selective = flops.activation_elements_per_token(cfg, selective=True)
+    assert none["dense_layer"] - selective["dense_layer"] == 2 * 128
+    assert none["moe_layer"] - selective["moe_layer"] == (64 + 8) + 2 * (2 * 96)
+    by_mode = {mode: flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, activation_checkpoint=mode).activations
+               for mode in ("none", "selective", "full")}
+    assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
+    assert flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, activation_checkpoint=True).activations == by_mode["full"]

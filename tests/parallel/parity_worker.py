@@ -115,6 +115,15 @@ CASES = {
     "pp2_cp2": (dict(pp=2, cp=2, microbatches=2, schedule="1f1b"), {}, 1),
     # HSDP sharding over the cp pair of each sequence, replicated over the two dp ranks.
     "cp2_dp2_hsdp": (dict(dp=2, cp=2, dp_mode="hsdp", dp_shard=1), BIAS, 1),
+    "tp2_sp_ac_selective": (dict(tp=2, sequence_parallel=True), {}, 1),
+    "cp2_ac_selective": (dict(cp=2), {}, 1),
+    "ep2_fsdp_ac_full": (dict(dp=2, ep=2), {}, 1),
+    "ep2_fsdp_ac_selective": (dict(dp=2, ep=2), {}, 1),
+    "ep2_ddp_ac_selective": (dict(dp=2, ep=2, dp_mode="ddp"), {}, 1),
+    "pp2_1f1b_ac_selective": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 1),
+    "pp2_1f1b_bias_ac_full": (dict(pp=2, microbatches=2, schedule="1f1b"), BIAS_SEQUENCE, 2),
+    "tp2_sp_ep2_ac_selective": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), BIAS_GROUPS, 1),
+    "pp2_dp2_ac_full": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), {}, 2),
     "pp2_dp2_tp2_ep2_etp2": (dict(pp=2, dp=2, tp=2, ep=2, etp=2, sequence_parallel=True, microbatches=2,
                                   schedule="1f1b"), {}, 1),
 }
@@ -122,6 +131,11 @@ CASES = {
 
 # Cases stepped with AdamW (a sharded optimizer's state is what they test) instead of SGD.
 ADAMW = {"zero1_dp4", "zero1_dp4_ep2"}
+# Cases run with activation checkpointing (the reference never checkpoints: recomputation must
+# not change a loss or a gradient).
+ACTIVATION_CHECKPOINT = {"tp2_sp_ac_selective": "selective", "cp2_ac_selective": "selective",
+                         "ep2_fsdp_ac_full": "full", "ep2_fsdp_ac_selective": "selective", "ep2_ddp_ac_selective": "selective", "pp2_1f1b_ac_selective": "selective", "pp2_1f1b_bias_ac_full": "full",
+                         "tp2_sp_ep2_ac_selective": "selective", "pp2_dp2_ac_full": "full"}
 
 
 def make_optimizer(named_params, adamw: bool, owners=None) -> torch.optim.Optimizer:
@@ -196,7 +210,7 @@ def run_case(name: str) -> dict:
     ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw)
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
-                     cross_entropy=cross_entropy)
+                     cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"))
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
