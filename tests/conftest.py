@@ -22,6 +22,17 @@ if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_in_forked_tests(request):
+    """A forked child inherits the parent's OpenMP thread pool but not its threads: once the
+    parent has run a parallel torch op, the child's first one waits forever at a barrier. The
+    child therefore runs torch single-threaded (the interpreter is the bottleneck anyway)."""
+    if request.node.get_closest_marker("forked") is not None:
+        import torch
+
+        torch.set_num_threads(1)
+
+
 @pytest.fixture
 def tmp_run_dir(tmp_path):
     """A fresh folder for run outputs (metrics, checkpoints, TensorBoard)."""

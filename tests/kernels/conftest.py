@@ -13,15 +13,6 @@ import torch
 TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float64: 1e-10}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread_in_forked_tests(request):
-    """A forked child inherits the parent's OpenMP thread pool but not its threads: once the
-    parent has run a parallel torch op, the child's first one waits forever at a barrier. The
-    child therefore runs torch single-threaded (the interpreter is the bottleneck anyway)."""
-    if request.node.get_closest_marker("forked") is not None:
-        torch.set_num_threads(1)
-
-
 @pytest.fixture
 def triton_target():
     """(backend, device) for the Triton kernels: compiled on a GPU, interpreted on CPU."""
