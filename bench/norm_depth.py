@@ -5,7 +5,7 @@ random tokens and record ‖∂loss/∂W2‖ (the FFN's output projection, Xiong
 layer, averaged over seeds. Prints a table and one JSON line, and writes a PNG plot.
 
 Setting: the original Transformer's, as Xiong et al. used it — LayerNorm, ReLU FFN of 4·d,
-sinusoidal positions and Xavier-uniform weights (unit-variance embeddings), d = 256 (theirs was
+sinusoidal positions and Xavier-uniform weights (N(0, 1/d) embeddings times sqrt(d)), d = 256 (theirs was
 512; at d = 64 post-norm's profile is level rather than rising). `tilt` is the mean gradient of
 the last quarter of the layers over that of the first quarter: > 1 grows toward the output.
 
@@ -40,12 +40,13 @@ def depth_config(n_layers: int, norm_position: str, d_model: int = 256) -> Model
 
 
 def xavier_init(model: nn.Module) -> None:
-    """Vaswani et al.'s initialization: Xavier-uniform linear weights, N(0, 1) embeddings."""
+    """Vaswani et al.'s initialization: Xavier-uniform linear weights, N(0, 1/d) embeddings, which
+    the model multiplies by sqrt(d) under sinusoidal positions (unit variance, as theirs)."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             nn.init.xavier_uniform_(module.weight)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, std=1.0)
+            nn.init.normal_(module.weight, std=module.embedding_dim**-0.5)
 
 
 def ffn_grad_norms(cfg: ModelConfig, seed: int, *, batch: int = 8, seq_len: int = 64,

@@ -6,6 +6,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetron.launcher.config import TrainConfig
 from moetron.parallel.sharded_optimizer import Owner, ShardedAdamW, assign_owners
@@ -31,7 +32,11 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Own
     # local shards it takes) steps exactly like the whole one; it was 6.4x faster than the per-
     # parameter loop on 100M fp32 parameters on 2 CPU cores (52 vs 332 ms). Devices without a
     # fused kernel take the per-parameter loop, whose result does not depend on the grouping.
-    fused = all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in decay + no_decay)
+    # The fused op takes one kind of tensor per call: all DTensors (FSDP2) or all plain tensors;
+    # a mix (TP without FSDP leaves some parameters plain) takes the loop.
+    params = decay + no_decay
+    fused = (all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
+             and len({isinstance(p, DTensor) for p in params}) <= 1)
     kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **({"fused": True} if fused else {"foreach": False}))
     if owners is not None:
         return ShardedAdamW(groups, owners=owners, **kwargs)

@@ -10,7 +10,6 @@ from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 
 
-@pytest.mark.forked
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter (no GPU)")
 def test_interpreted_kernels_match_the_torch_path():
     pytest.importorskip("triton")

@@ -115,6 +115,8 @@ CASES = {
     "pp2_cp2": (dict(pp=2, cp=2, microbatches=2, schedule="1f1b"), {}, 1),
     # HSDP sharding over the cp pair of each sequence, replicated over the two dp ranks.
     "cp2_dp2_hsdp": (dict(dp=2, cp=2, dp_mode="hsdp", dp_shard=1), BIAS, 1),
+    "zero1_dp2_tp2_etp2": (dict(dp=2, tp=2, etp=2, dp_mode="zero1"), {}, 1),
+    "hsdp_dp2_tp2_etp2_ep2": (dict(dp=2, tp=2, etp=2, ep=2, dp_mode="hsdp", dp_shard=2), {}, 1),
     "tp2_sp_ac_selective": (dict(tp=2, sequence_parallel=True), {}, 1),
     "cp2_ac_selective": (dict(cp=2), {}, 1),
     "ep2_fsdp_ac_full": (dict(dp=2, ep=2), {}, 1),
@@ -130,7 +132,7 @@ CASES = {
 
 
 # Cases stepped with AdamW (a sharded optimizer's state is what they test) instead of SGD.
-ADAMW = {"zero1_dp4", "zero1_dp4_ep2"}
+ADAMW = {"zero1_dp4", "zero1_dp4_ep2", "zero1_dp2_tp2_etp2"}
 # Cases run with activation checkpointing (the reference never checkpoints: recomputation must
 # not change a loss or a gradient).
 ACTIVATION_CHECKPOINT = {"tp2_sp_ac_selective": "selective", "cp2_ac_selective": "selective",
