@@ -30,7 +30,8 @@ LAUNCHES = {
     4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved",
         "tp2_sp_ep2_bias", "pp2_dp2_bias", "hsdp2x2", "hsdp2x2_ep2", "zero1_dp4", "zero1_dp4_ep2",
         "tp2_etp2_ep2", "tp2_etp2_ddp", "pp2_tp2_etp2",
-        "cp2_tp2_sp", "cp2_ep2", "pp2_cp2", "cp2_dp2_hsdp", "tp2_sp_ep2_ac_selective", "pp2_dp2_ac_full"],
+        "cp2_tp2_sp", "cp2_ep2", "pp2_cp2", "cp2_dp2_hsdp", "tp2_sp_ep2_ac_selective", "pp2_dp2_ac_full",
+        "zero1_dp2_tp2_etp2", "hsdp_dp2_tp2_etp2_ep2"],
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 
