@@ -162,6 +162,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2, help="intra-op CPU threads")
     p.add_argument("--out", type=Path, default=None, help="PNG path (default bench/out/positions[_quick].png)")
+    p.add_argument("--encodings", nargs="+", choices=ENCODINGS, default=ENCODINGS, help="train and evaluate only these")
     args = p.parse_args()
     args.size = "quick" if args.quick else "full"
     quick = args.quick
@@ -184,12 +185,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as root:
         runs, speeds, params = {}, {}, {}
-        for position in ENCODINGS:
+        for position in args.encodings:
             t0 = time.perf_counter()
             runs[position], speeds[position] = train_encoding(position, args, Path(root))
             params[position] = params_position(checkpoint_config(resolve_checkpoint(runs[position])).model)
             print(f"trained {position}: {speeds[position]:,.0f} tokens/s ({time.perf_counter() - t0:.0f} s)", flush=True)
-        for name, trained, scaling in ROWS:
+        for name, trained, scaling in (row for row in ROWS if row[1] in args.encodings):
             t0 = time.perf_counter()
             loss = losses_by_length(runs[trained], scaling, lengths, data, args)
             decode = decode_tokens_per_s(runs[trained], args.decode_context, 32 if quick else 64) if not scaling else None
