@@ -19,7 +19,7 @@ import gpu_check  # noqa: E402
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
 def test_dry_run_writes_a_complete_report(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "out"), "XDG_CACHE_HOME": str(tmp_path)}
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "XDG_CACHE_HOME": str(tmp_path), "PYTHON": sys.executable}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "tests", "kernels", "train_torch"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
