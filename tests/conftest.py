@@ -5,6 +5,7 @@ set here, at collection, whenever no CUDA device is present.
 """
 
 import os
+import subprocess
 
 import pytest
 
@@ -31,6 +32,27 @@ def _one_thread_in_forked_tests(request):
         import torch
 
         torch.set_num_threads(1)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size_bytes) → a fresh tmpfs of that size, or None where this process may not mount
+    one (tmpfs needs root). Each is unmounted afterwards, and a plain umount fails while a file
+    on it is still open: that is a leak in the code under test."""
+    mounted = []
+
+    def mount(size: int):
+        where = tmp_path / f"tmpfs{len(mounted)}"
+        where.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+                                               capture_output=True).returncode != 0:
+            return None
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        assert subprocess.run(["umount", str(where)], capture_output=True).returncode == 0, f"a file on {where} is left open"
 
 
 @pytest.fixture

@@ -224,29 +224,8 @@ def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing
     assert after == before
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """mount(size_bytes) → a fresh tmpfs of that size (unmounted afterwards); skips where this
-    process may not mount one (tmpfs needs root)."""
-    mounted = []
-
-    def mount(size: int) -> Path:
-        where = tmp_path / f"disk{len(mounted)}"
-        where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True)
-        if proc.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in mounted:
-        # A plain umount fails while a file on it is open: that is a leak in the trainer.
-        assert subprocess.run(["umount", str(where)], capture_output=True).returncode == 0, "a file is left open"
-
-
 @pytest.mark.parametrize("on_error", ["continue", "stop"])
-def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run_dir, small_disk, on_error):
+def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run_dir, tmpfs, on_error):
     """A real disk that fills up: a ballast file leaves room for one checkpoint beside the last, so
     the step-4 save fails with ENOSPC; the hook deletes the ballast before step 5. With
     on_error=continue training goes on with the uninterrupted run's losses and the final step-6
@@ -260,7 +239,9 @@ def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run
     ref = train(small(tmp_run_dir, *knobs, "train.name=ref"), console=lambda *_: None)
     ckpt_bytes = sum(p.stat().st_size for p in (ref / "checkpoints" / "step-00000006").rglob("*") if p.is_file())
     other_bytes = sum(p.stat().st_size for p in ref.rglob("*") if p.is_file() and "checkpoints" not in p.parts)
-    disk = small_disk(int(2.5 * ckpt_bytes + 4 * other_bytes + 2**20))
+    disk = tmpfs(int(2.5 * ckpt_bytes + 4 * other_bytes + 2**20))
+    if disk is None:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
     ballast = disk / "ballast"
     ballast.write_bytes(b"\0" * ckpt_bytes)
 

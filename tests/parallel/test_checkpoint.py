@@ -288,16 +288,13 @@ FULL_DISK = textwrap.dedent("""
 
 
 @pytest.fixture
-def small_disk(tmp_path):
+def small_disk(tmp_path, tmpfs):
     """A 256 KiB tmpfs when this process may mount one (root), else None (RLIMIT_FSIZE instead)."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    if os.geteuid() == 0 and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
-                                            capture_output=True).returncode == 0:
-        yield where, 0
-        subprocess.run(["umount", str(where)], check=False)
-    else:
-        yield where, 64 * 1024
+    where = tmpfs(256 * 1024)
+    if where is not None:
+        return where, 0
+    (tmp_path / "disk").mkdir()
+    return tmp_path / "disk", 64 * 1024
 
 
 def test_full_disk_fails_the_save_and_keeps_the_previous_checkpoint(small_disk):
