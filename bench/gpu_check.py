@@ -174,12 +174,9 @@ def markdown(report: dict) -> str:
             lines += ["", "| tuned kernel | shape | pass | best TFLOP/s | × shipped tile | best tile |",
                       "| --- | --- | --- | --- | --- | --- |"]
             for b in best:
-                tile = b["best"]
-                if b["kernel"] in ("attn_dkdv", "attn_dq"):
-                    tile = tile[b["kernel"].removeprefix("attn_")]
                 gain = f"{b['speedup_vs_shipped']:.2f}" if b.get("speedup_vs_shipped") else "–"
                 lines.append(f"| {b['kernel']} | {b['shape']} | {b['pass']} | {b['best_tflops']:.1f} | {gain} | "
-                             f"{' '.join(f'{k}={v}' for k, v in tile.items())} |")
+                             f"{' '.join(f'{k}={v}' for k, v in b['tile'].items())} |")
     if report["train"]:
         lines += ["", "| training | tokens/s | step s | MFU (data sheet) | MFU counted | MFU vs measured matmul | "
                       "peak GiB | compile s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -330,17 +330,20 @@ def bench_attention(seq_len: int, timer, device, backend: str, tune: dict | None
 
 
 def best_tiles(tuning: list[dict]) -> list[dict]:
-    """Per (kernel, shape, pass): the fastest correct candidate and its speedup over the shipped tile."""
+    """Per (kernel, shape, pass): the fastest correct candidate and its speedup over the shipped
+    tile. `best` is the whole configuration; `tile` the part that was varied (for the attention
+    backward, the dK/dV or the dQ tile of the three)."""
     out = []
     keys = sorted({(r["kernel"], r["shape"], r["pass"]) for r in tuning})
     for key in keys:
         ok = [r for r in tuning if (r["kernel"], r["shape"], r["pass"]) == key and r["status"] == "ok"]
         if not ok:
-            out.append({"kernel": key[0], "shape": key[1], "pass": key[2], "best": None})
+            out.append({"kernel": key[0], "shape": key[1], "pass": key[2], "best": None, "tile": None})
             continue
         best = min(ok, key=lambda r: r["ms"])
         shipped = next((r for r in ok if r["shipped"]), None)
-        out.append({"kernel": key[0], "shape": key[1], "pass": key[2], "best": best["config"],
+        tile = best["config"][key[0].removeprefix("attn_")] if key[0] in ("attn_dkdv", "attn_dq") else best["config"]
+        out.append({"kernel": key[0], "shape": key[1], "pass": key[2], "best": best["config"], "tile": tile,
                     "best_tflops": best["tflops"],
                     "speedup_vs_shipped": shipped["ms"] / best["ms"] if shipped else None})
     return out
@@ -362,10 +365,7 @@ def print_table(rows: list[dict]) -> None:
 def print_best(best: list[dict]) -> None:
     for b in best:
         gain = f"{b['speedup_vs_shipped']:.2f}x shipped" if b.get("speedup_vs_shipped") else "-"
-        tile = b["best"]
-        if tile and b["kernel"] in ("attn_dkdv", "attn_dq"):
-            tile = tile[b["kernel"].removeprefix("attn_")]  # the tile that was varied
-        print(f"tune {b['kernel']:<10}{b['shape']:<30}{b['pass']:<5}{gain:>14}  {tile}")
+        print(f"tune {b['kernel']:<10}{b['shape']:<30}{b['pass']:<5}{gain:>14}  {b['tile']}")
 
 
 def main(argv=None) -> int:
