@@ -45,10 +45,12 @@ class MoEConfig:
     num_groups: int = 0
     topk_groups: int = 0
     aux_loss_coef: float = 0.01
-    # Where the balance loss counts loads: "micro_batch" (Switch, GShard; the routes taken) or
+    # Where the balance loss counts loads: "micro_batch" (Switch, GShard; the routes taken),
+    # "global_batch" (Qwen3, Megatron-Core's global_aux_loss: the routes of the step's micro-batches
+    # so far on every data-parallel rank, so the last micro-batch sees the whole global batch's) or
     # "sequence" (DeepSeek-V3's complementary loss: each sequence's own loads, of the unbiased top-k
     # scores, averaged over sequences; with a bias it is usually tiny, e.g. 1e-4).
-    aux_loss_type: Literal["micro_batch", "sequence"] = "micro_batch"
+    aux_loss_type: Literal["micro_batch", "global_batch", "sequence"] = "micro_batch"
     z_loss_coef: float = 0.0
     # Multiplicative uniform noise (1 ± jitter) on the router input while training (Switch).
     jitter: float = 0.0

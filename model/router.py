@@ -16,8 +16,13 @@ The expert choice, weights and group rule equal megatron-core's `topk_routing_wi
 (tests/model/test_router_scores.py), whose softmax path ignores a bias; here it applies to both
 scores, and groups are always chosen on the scores (megatron's pre-softmax path).
 
-The balance loss is Switch's over the micro-batch's routes, or DeepSeek-V3's per sequence
-(`aux_loss_type: sequence`). Under context parallelism a rank holds only some positions of each
+The balance loss is Switch's over the micro-batch's routes, over the global batch's
+(`aux_loss_type: global_batch`), or DeepSeek-V3's per sequence (`aux_loss_type: sequence`).
+The global batch's loads are not known until its last micro-batch has routed, and a micro-batch's
+backward may run before the next forward (accumulation, 1F1B), so, as Megatron-Core's
+global_aux_loss does, micro-batch j takes f from the routes of micro-batches 1..j of the step on
+every data-parallel rank (`Router.batch_sum` adds the other ranks'): the last one's f is the whole
+global batch's. The probabilities P stay the micro-batch's own. Under context parallelism a rank holds only some positions of each
 sequence: `Router.sequence_sum` then sums the loss's statistics (routes and score sums per expert,
 per sequence for the sequence loss, and token counts) over the ranks holding the rest, so the loss is
 the one process's; capacity is still taken on the local tokens.
@@ -36,6 +41,8 @@ from moetron.model.config import MoEConfig
 
 # A differentiable sum of a tensor over the ranks that hold the other positions of the same sequences.
 SequenceSum = Callable[[torch.Tensor], torch.Tensor]
+# A sum of routes per expert (E,) over the ranks that route the other micro-batches of the global batch.
+BatchSum = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -87,6 +94,19 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
     P_E, num_tokens = sums[:num_experts] / sums[num_experts], sums[num_experts].detach()
     f_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
     return num_experts * torch.sum(f_E * P_E)
+
+
+def global_balancing_loss(probs_TE: torch.Tensor, load_E: torch.Tensor,
+                          sequence_sum: SequenceSum | None = None) -> torch.Tensor:
+    """Switch's E · Σ_e f_e · P_e with f_e the share of `load_E` (routes per expert counted over more
+    than these tokens: the global batch's so far) and P_e these tokens' mean probability of e
+    (summed over the ranks holding the other positions of their sequences, with `sequence_sum`)."""
+    num_tokens, num_experts = probs_TE.shape
+    f_E = (load_E / load_E.sum().clamp_min(1)).to(probs_TE.dtype)
+    if sequence_sum is None:
+        return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
+    sums = sequence_sum(torch.cat([probs_TE.sum(0), probs_TE.new_full((1,), num_tokens)]))
+    return num_experts * torch.sum(f_E * sums[:num_experts] / sums[num_experts].detach())
 
 
 def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -146,6 +166,10 @@ class Router(nn.Module):
     each training forward since the last bias update (one entry per micro-batch, so a pipeline can
     drop the entries of its shape-inference passes); the trainer sums them over the global batch
     and calls `update_bias`.
+
+    With `aux_loss_type: global_batch` it keeps `batch_loads_E`, the global batch's routes per expert
+    up to each training micro-batch of the step (a running sum); `start_batch` clears them before a
+    step's first micro-batch.
     """
 
     def __init__(self, d_model: int, cfg: MoEConfig):
@@ -160,6 +184,11 @@ class Router(nn.Module):
         # Context parallelism sets this (parallel/context_parallel.py): the balance loss and the
         # reported route counts are then the whole sequences'. None: the tokens are whole sequences.
         self.sequence_sum: SequenceSum | None = None
+        # Data parallelism sets this (parallel/global_balance.py) for the global-batch loss. None:
+        # this process routes the whole global batch.
+        self.batch_sum: BatchSum | None = None
+        self.batch_loads_E: list[torch.Tensor] = []
+        self._replayed = 0  # loads handed back to recomputed forwards this step
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> Routing:
         """x_TD: the tokens of `num_sequences` sequences, sequence-major (B·S rows)."""
@@ -182,9 +211,13 @@ class Router(nn.Module):
         counts_E = torch.bincount(expert_TK.reshape(-1), minlength=cfg.num_experts)
         # Not when activation checkpointing recomputes this forward inside backward (a graph task
         # is then running): the routes were counted when the forward first ran.
-        if (self.training and self.expert_bias_E is not None and not x_TD.is_meta
-                and torch._C._current_graph_task_id() == -1):
+        recomputed = torch._C._current_graph_task_id() != -1
+        if self.training and self.expert_bias_E is not None and not x_TD.is_meta and not recomputed:
             self.routed_E.append(counts_E.detach())
+        global_batch = (cfg.aux_loss_type == "global_batch" and cfg.aux_loss_coef and self.training
+                        and not x_TD.is_meta)
+        if global_batch:  # before sequence_sum: batch_sum adds every other rank's tokens, cp ranks too
+            load_E = self._batch_load(counts_E, recomputed)
         if self.sequence_sum is not None:
             # After the bias's count, which must stay local: update_expert_biases sums over every rank.
             counts_E = self.sequence_sum(counts_E)
@@ -207,6 +240,8 @@ class Router(nn.Module):
         zero = logits_TE.new_zeros(())
         if not cfg.aux_loss_coef:
             aux = zero
+        elif global_batch:
+            aux = cfg.aux_loss_coef * global_balancing_loss(probs_TE, load_E, self.sequence_sum)
         elif cfg.aux_loss_type == "sequence":
             aux = cfg.aux_loss_coef * sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k, self.sequence_sum)
         else:
@@ -216,6 +251,25 @@ class Router(nn.Module):
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
             dropped = 1.0 - kept_TK.float().mean()
         return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy)
+
+    def _batch_load(self, counts_E: torch.Tensor, recomputed: bool) -> torch.Tensor:
+        """The global batch's routes per expert up to this micro-batch (float64, exact). A forward
+        recomputed in backward gets the load its first run saw: backwards run in forward order."""
+        if recomputed:
+            self._replayed += 1
+            return self.batch_loads_E[self._replayed - 1]
+        load_E = counts_E.detach().to(torch.float64)
+        if self.batch_sum is not None:
+            load_E = self.batch_sum(load_E)
+        if self.batch_loads_E:
+            load_E = load_E + self.batch_loads_E[-1]
+        self.batch_loads_E.append(load_E)
+        return load_E
+
+    def start_batch(self) -> None:
+        """Before a step's first micro-batch: the global-batch loss counts from zero again."""
+        self.batch_loads_E.clear()
+        self._replayed = 0
 
     @property
     def tokens_per_expert_E(self) -> torch.Tensor:

@@ -87,7 +87,7 @@ def predict_step(model: ModelConfig, par: ParallelConfig, *, batch: int, seq_len
     """Every collective one optimizer step of `batch` sequences of `seq_len` tokens issues."""
     step = _Step(model, par, batch * seq_len, grad_accum, act_bytes, batch=batch)
     out = [*_tensor_parallel(step), *_context_parallel(step), *_expert_parallel(step),
-           *_expert_tensor_parallel(step), *_pipeline(step),
+           *_expert_tensor_parallel(step), *_global_balance(step), *_pipeline(step),
            *_data_parallel(step, param_bytes, grad_bytes), *_control(par)]
     return [t for t in out if t.calls]
 
@@ -187,6 +187,16 @@ def _expert_parallel(s: _Step) -> list[Traffic]:
     rows = s.per_chunk("all_to_all", "ep routed tokens (dispatch + combine, fwd + bwd)", 4 * n_moe,
                        m.moe.top_k * m.d_model * s.act_bytes)
     return [counts, rows]
+
+
+def _global_balance(s: _Step) -> list[Traffic]:
+    """The global-batch balance loss: each router's (E,) float64 route counts, summed over dp × cp
+    in the forward of every chunk (parallel/global_balance.py)."""
+    m, p = s.model, s.par
+    if not (m.moe.enabled and m.moe.aux_loss_coef and m.moe.aux_loss_type == "global_batch") or p.dp * p.cp == 1:
+        return []
+    calls = sum(m.is_moe_layer(i) for i in range(m.n_layers)) * s.chunks * s.stage_ranks
+    return [Traffic("all_reduce", "router loads over the global batch", calls, calls * m.moe.num_experts * 8)]
 
 
 def _expert_tensor_parallel(s: _Step) -> list[Traffic]:

@@ -35,6 +35,7 @@ from moetron.parallel.context_parallel import apply_context_parallel, split_sequ
 from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_, set_gradient_sync
 from moetron.parallel.expert_parallel import apply_expert_parallel
 from moetron.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+from moetron.parallel.global_balance import apply_global_batch_balance, start_global_batch
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import ParallelMesh
 from moetron.parallel.pipeline import (Pipeline, StepRecord, attach_stage_output, build_pipeline, merge_stages,
@@ -113,6 +114,7 @@ class ParallelModel:
 
         batch_BS1: this rank's slice (inputs and shifted targets in one window of S + 1).
         """
+        start_global_batch(self.modules)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BS1, grad_accum, autocast)
         model = self.module
@@ -212,6 +214,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
     expert_tp_split: dict[str, int] = {}
     for part in parts.values():
         apply_context_parallel(part, mesh)
+        apply_global_batch_balance(part, mesh)
         apply_tensor_parallel(part, mesh, cfg)
         expert_sharded |= apply_expert_parallel(part, mesh)
         expert_tp_split |= apply_expert_tensor_parallel(part, mesh, cfg)

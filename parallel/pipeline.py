@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
 from moetron.model.router import Router
 from moetron.model.transformer import Decoder, ModelOutput
 from moetron.parallel.config import ParallelConfig
+from moetron.parallel.global_balance import start_global_batch
 from moetron.parallel.mesh import ParallelMesh
 
 SCHEDULES = {
@@ -130,6 +131,7 @@ class Pipeline:
     num_stages: int
     schedule: object
     record: StepRecord
+    last_train: bool | None = None  # whether the last run trained (None: none ran yet)
 
     @property
     def has_first(self) -> bool:
@@ -153,7 +155,18 @@ class Pipeline:
         n_aux, n_ce = len(rec.aux), len(rec.ce)
         routers = [r for m in self.modules for r in m.modules() if isinstance(r, Router) and r.expert_bias_E is not None]
         n_routed = [len(r.routed_E) for r in routers]
-        run(*args, **kwargs)
+        # torch infers shapes on a schedule's first run and on the first after each train/eval
+        # switch, running every stage forward (and backward, recomputing it under activation
+        # checkpointing) once before the micro-batches: the global-batch loads counted there are
+        # forgotten when the first micro-batch starts.
+        forget = [m.register_forward_pre_hook(_forget_inference_loads()) for m in self.modules] \
+            if train != self.last_train else []
+        self.last_train = train
+        try:
+            run(*args, **kwargs)
+        finally:
+            for handle in forget:
+                handle.remove()
         # The schedule's first call (and its first after a train/eval switch) runs each stage once
         # more, on placeholder inputs, to infer shapes; drop what those runs recorded (they come
         # first), aux losses and the routes that aux-loss-free balancing counts alike.
@@ -162,6 +175,17 @@ class Pipeline:
         _drop_leading(rec.ce, n_ce, microbatches if self.has_last else 0)
         for router, start in zip(routers, n_routed):
             _drop_leading(router.routed_E, start, microbatches if train else 0)
+
+
+def _forget_inference_loads():
+    calls = [0]
+
+    def hook(module, args):
+        calls[0] += 1
+        if calls[0] == 2:  # the first micro-batch, after the shape-inference run
+            start_global_batch([module])
+
+    return hook
 
 
 def _drop_leading(items: list, start: int, expected: int) -> None:

@@ -93,6 +93,40 @@ def test_sequence_balance_loss_equals_megatron_seq_aux_loss(score, bias):
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_global_batch_balance_loss_equals_megatron_global_aux_loss(score):
+    """megatron-core's global_aux_loss on one rank over three accumulated micro-batches: Switch's loss
+    with the running mean of the routes per expert (`global_tokens_per_expert / ga_steps`). Value
+    and gradient of each micro-batch; `start_batch` starts the count over as megatron's reset does.
+    (Without bias or groups: megatron counts the unbiased top-k there, moetron the routes taken.)"""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    K, coef = 4, 1e-2
+    router = Router(D, MoEConfig(num_experts=E, top_k=K, score=score, aux_loss_type="global_batch",
+                                 aux_loss_coef=coef))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.randn(E, D, generator=gen))
+    total_E, micro_batch_losses = torch.zeros(E), []
+    for step in range(2):
+        router.start_batch()
+        total_E.zero_()
+        for ga_steps in range(1, 4):
+            x_TD = torch.randn(T, D, generator=gen) * (1 + ga_steps)  # different loads per micro-batch
+            ours = router(x_TD).aux_loss
+            (g_ours,) = torch.autograd.grad(ours, router.gate.weight)
+
+            weight = router.gate.weight.detach().clone().requires_grad_(True)
+            map_TE, scores_TE = moe_utils.compute_routing_scores_for_aux_loss(F.linear(x_TD, weight), K, score)
+            total_E += map_TE.sum(0)
+            theirs = moe_utils.switch_load_balancing_loss_func(scores_TE, total_E / ga_steps, T, K, E, coef)
+            (g_theirs,) = torch.autograd.grad(theirs, weight)
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=0)
+            torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-9)
+            micro_batch_losses.append(moe_utils.switch_load_balancing_loss_func(scores_TE, map_TE.sum(0), T, K, E, coef))
+        # The last micro-batch's global loss is not its own micro-batch's: the count reached across.
+        assert not torch.isclose(ours, micro_batch_losses[-1])
+
+
 def test_the_bias_never_reaches_the_weights_or_the_gradient():
     router = Router(D, MoEConfig(num_experts=E, top_k=4, score="sigmoid", bias_update_rate=1e-3))
     names = [n for n, _ in router.named_parameters()]

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.moe import MoELayer
 from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.expert_bias import biased_routers, update_expert_biases
@@ -54,6 +55,7 @@ MODEL = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads
 BIAS = {"score": "sigmoid", "bias_update_rate": 0.05}
 BIAS_GROUPS = {**BIAS, "num_groups": 2, "topk_groups": 1}
 BIAS_SEQUENCE = {**BIAS, "aux_loss_type": "sequence"}  # DeepSeek-V3's per-sequence balance loss beside the bias
+GLOBAL = {"aux_loss_type": "global_batch", "aux_loss_coef": 0.1}  # Qwen3's loss over the global batch
 
 # name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
@@ -66,6 +68,14 @@ CASES = {
     "pp2_zero_bubble_bias": (dict(pp=2, microbatches=2, schedule="zero_bubble"), BIAS_GROUPS, 1),
     "tp2_sp_ep2_bias": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), BIAS_GROUPS, 1),
     "pp2_dp2_bias": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), BIAS_SEQUENCE, 1),
+    "dp2_ddp_global": (dict(dp=2, dp_mode="ddp"), GLOBAL, 2),
+    "ep2_fsdp_global_bias": (dict(dp=2, ep=2), {**GLOBAL, **BIAS}, 1),
+    "tp2_sp_ep2_global": (dict(dp=2, tp=2, ep=2, sequence_parallel=True), GLOBAL, 1),
+    "cp2_dp2_global": (dict(dp=2, cp=2, dp_mode="ddp"), GLOBAL, 1),
+    "pp2_1f1b_global": (dict(pp=2, microbatches=2, schedule="1f1b"), GLOBAL, 2),
+    "pp2_dp2_interleaved_global": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), GLOBAL, 1),
+    "pp2_dp2_global_ac_full": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), GLOBAL, 1),
+    "ep2_fsdp_global_ac_selective": (dict(dp=2, ep=2), GLOBAL, 2),
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
     "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
@@ -137,7 +147,8 @@ ADAMW = {"zero1_dp4", "zero1_dp4_ep2", "zero1_dp2_tp2_etp2"}
 # not change a loss or a gradient).
 ACTIVATION_CHECKPOINT = {"tp2_sp_ac_selective": "selective", "cp2_ac_selective": "selective",
                          "ep2_fsdp_ac_full": "full", "ep2_fsdp_ac_selective": "selective", "ep2_ddp_ac_selective": "selective", "pp2_1f1b_ac_selective": "selective", "pp2_1f1b_bias_ac_full": "full",
-                         "tp2_sp_ep2_ac_selective": "selective", "pp2_dp2_ac_full": "full"}
+                         "tp2_sp_ep2_ac_selective": "selective", "pp2_dp2_ac_full": "full",
+                         "pp2_dp2_global_ac_full": "full", "ep2_fsdp_global_ac_selective": "selective"}
 
 
 def make_optimizer(named_params, adamw: bool, owners=None) -> torch.optim.Optimizer:
@@ -157,17 +168,42 @@ def batches() -> list[torch.Tensor]:
     return [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
-def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False) -> dict:
-    """One process, plain model, SGD, accumulating over `chunks` micro-batches per step."""
+def global_batch_loads(model, micro: list[torch.Tensor], dp: int) -> list[dict[int, torch.Tensor]]:
+    """For the global-batch balance loss: {layer: routes per expert} summed over the dp ranks'
+    j-th micro-batches, for each j (chunk r·J + j is dp rank r's j-th), from a forward that
+    only routes (eval mode: no counts are kept)."""
+    model.eval()
+    with torch.no_grad():
+        counts = [{k: s.counts_E.double() for k, s in model(m[:, :-1]).moe.items()} for m in micro]
+    model.train()
+    per_rank = len(micro) // dp
+    return [{k: sum(counts[r * per_rank + j][k] for r in range(dp)) for k in counts[0]} for j in range(per_rank)]
+
+
+def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int = 1) -> dict:
+    """One process, plain model, SGD, accumulating over `chunks` micro-batches per step.
+
+    With the global-batch balance loss the layout's micro-batch j on each dp rank sees the routes
+    of micro-batches 1..j of every dp rank: routed first, then handed to each router in turn."""
     meta = build_model(model_cfg, device="meta")
     model = build_model(model_cfg, device="meta")
     materialize_and_init(meta, [model], seed=SEED, device=torch.device("cpu"), ep_slice=lambda n, t: t)
     opt = make_optimizer(model.named_parameters(), adamw)
     out = {"ce": [], "aux": [], "counts": [], "grads": None}
+    routers = {i: b.ffn.router for i, b in model.layers.items() if isinstance(b.ffn, MoELayer)}
+    global_batch = model_cfg.moe.aux_loss_type == "global_batch"
     for batch in batches():
         ce_sum = aux_sum = 0.0
         counts = []
-        for micro in batch.chunk(chunks):
+        micros = batch.chunk(chunks)
+        loads = global_batch_loads(model, micros, dp) if global_batch else []
+        for c, micro in enumerate(micros):
+            if global_batch:
+                r, j = divmod(c, chunks // dp)
+                for layer, router in routers.items():
+                    if j == 0:  # a dp rank's first micro-batch: its running count starts over
+                        router.start_batch()
+                    router.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
             res = model(micro[:, :-1])
             ce = cross_entropy(res.logits_BSV, micro[:, 1:])
             ((ce + res.aux_loss) / chunks).backward()
@@ -209,7 +245,7 @@ def run_case(name: str) -> dict:
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
     mb = pcfg.microbatches if pcfg.pp > 1 else 1
     adamw = name in ADAMW
-    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw)
+    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw, dp=pcfg.dp)
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"))
