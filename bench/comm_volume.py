@@ -67,6 +67,7 @@ LAYOUTS = {
     "ep2_zero1": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=zero1"],
     "ep2_ddp": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=ddp"],
     "cp2_sequence_loss": ["parallel.cp=2", "model.moe.aux_loss_type=sequence"],
+    "dp2_accum2_global_loss": ["parallel.dp=2", "train.grad_accum=2", "model.moe.aux_loss_type=global_batch"],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
@@ -266,7 +267,7 @@ def main() -> None:
     print(f"one step of {t.batch_size}×{t.seq_len} tokens, d_model {m.d_model}, {m.n_layers} layers, "
           f"{m.moe.num_experts} experts top-{m.moe.top_k}, fp32; bytes summed over 2 ranks (nccl-tests size); "
           f"torch {torch.__version__}, gloo, {wall:.0f} s")
-    print(f"{'layout':<14}{'kind':<16}{'pred calls':>11}{'meas calls':>11}{'pred bytes':>13}{'meas bytes':>13}"
+    print(f"{'layout':<24}{'kind':<16}{'pred calls':>11}{'meas calls':>11}{'pred bytes':>13}{'meas bytes':>13}"
           f"{'ratio':>8}")
     report = []
     for run in runs:
@@ -279,7 +280,7 @@ def main() -> None:
                 continue
             rows[kind] = {"predicted": pk, "measured": mk,
                           "ratio": mk["bytes"] / pk["bytes"] if pk["bytes"] else None}
-            print(f"{run['layout']:<14}{kind:<16}{pk['calls']:>11}{mk['calls']:>11}{pk['bytes']:>13}"
+            print(f"{run['layout']:<24}{kind:<16}{pk['calls']:>11}{mk['calls']:>11}{pk['bytes']:>13}"
                   f"{mk['bytes']:>13}{_ratio(mk['bytes'], pk['bytes']):>8}")
         report.append({"layout": run["layout"], "overrides": LAYOUTS[run["layout"]], "kinds": rows,
                        "one_rank_group_calls": run["local_calls"], "ops": run["ops"], "seconds": run["seconds"]})

@@ -11,6 +11,10 @@ tflops_per_device, mfu, mfu_measured, memory_gib, step_time — come from the tr
   moe/expert_load/layer_<i>             histogram over expert ids, weighted by routes received
   moe/expert_bias                       image: L × E aux-loss-free biases (model.moe.bias_update_rate > 0)
   moe/layer_<i>/{dropped_fraction, router_entropy, aux_loss, z_loss, max_load}   scalars
+                                        (max_load − 1 is MaxVio, Wang et al. 2024)
+  moe/layer_<i>/{remote_routes_per_token, ep_ranks_per_token}   scalars under expert parallelism:
+                                        kept routes per token sent to another ep rank, and the ep
+                                        ranks a token's routes reach (rank 0's tokens)
   accounting                            text: parameters, FLOPs, KV cache, memory, MFU peak
 """
 
@@ -47,6 +51,8 @@ def custom_scalars_layout(moe: bool) -> dict:
             "max / mean expert load per layer": ["Multiline", [r"^moe/layer_\d+/max_load$"]],
             "aux loss per layer": ["Multiline", [r"^moe/layer_\d+/aux_loss$"]],
             "z loss per layer": ["Multiline", [r"^moe/layer_\d+/z_loss$"]],
+            "routes per token leaving the ep rank": ["Multiline", [r"^moe/layer_\d+/remote_routes_per_token$"]],
+            "ep ranks reached per token": ["Multiline", [r"^moe/layer_\d+/ep_ranks_per_token$"]],
         }
     return layout
 
@@ -147,6 +153,9 @@ class Dashboards:
                                 ("aux_loss", s.aux_loss), ("z_loss", s.z_loss)):
                 self.writer.add_scalar(f"moe/layer_{layer}/{name}", float(value.detach()), step)
             self.writer.add_scalar(f"moe/layer_{layer}/max_load", float(ratios_LE[row].max()), step)
+            if s.remote_routes is not None:
+                self.writer.add_scalar(f"moe/layer_{layer}/remote_routes_per_token", float(s.remote_routes), step)
+                self.writer.add_scalar(f"moe/layer_{layer}/ep_ranks_per_token", float(s.ranks_per_token), step)
 
     def log_bias(self, step: int, biases: dict) -> None:
         """`{layer: expert_bias_E}` of aux-loss-free routing, as an image per logged step."""

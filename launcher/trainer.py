@@ -174,7 +174,7 @@ def moe_summary(moe: dict) -> dict[str, float]:
     if not moe:
         return {}
     n = len(moe)
-    return {
+    out = {
         "moe_dropped_fraction": sum(float(s.dropped_fraction) for s in moe.values()) / n,
         "moe_router_entropy": sum(float(s.entropy) for s in moe.values()) / n,
         "moe_z_loss": sum(float(s.z_loss) for s in moe.values()) / n,
@@ -182,6 +182,10 @@ def moe_summary(moe: dict) -> dict[str, float]:
         "moe_max_vio": sum(float(s.counts_E.max() / s.counts_E.float().mean().clamp_min(1e-9)) - 1
                            for s in moe.values()) / n,
     }
+    if all(s.remote_routes is not None for s in moe.values()):  # expert parallelism: this rank's tokens
+        out["moe_remote_routes_per_token"] = sum(float(s.remote_routes) for s in moe.values()) / n
+        out["moe_ep_ranks_per_token"] = sum(float(s.ranks_per_token) for s in moe.values()) / n
+    return out
 
 
 def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print,

@@ -47,6 +47,10 @@ class LocalDispatcher:
         # accumulating index_put_ that advanced indexing differentiates into.
         return x_TD.index_select(0, token_A), offsets_E, DispatchState(token_A, weight_A, T)
 
+    def spread(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Routes per token leaving the rank and ranks reached per token: nothing leaves here."""
+        return None
+
     def combine(self, y_AD: torch.Tensor, state: DispatchState) -> torch.Tensor:
         """Weight each route's output and sum it into its token → y_TD (dropped tokens get 0)."""
         weighted_AD = y_AD * state.weight_A[:, None].to(y_AD.dtype)
@@ -63,6 +67,10 @@ class MoEStats:
     counts_E: torch.Tensor
     dropped_fraction: torch.Tensor
     entropy: torch.Tensor
+    # Under expert parallelism: kept routes per token sent to another ep rank, and ep ranks a
+    # token's kept routes reach (its own counted when it keeps a route there). None otherwise.
+    remote_routes: torch.Tensor | None = None
+    ranks_per_token: torch.Tensor | None = None
 
 
 class MoELayer(nn.Module):
@@ -86,8 +94,9 @@ class MoELayer(nn.Module):
         y_TD = self.dispatcher.combine(y_AD, state).to(x_BSD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
+        spread = self.dispatcher.spread(routing)
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.counts_E, routing.dropped_fraction,
-                         routing.entropy)
+                         routing.entropy, *(spread or ()))
         return self.dropout(y_TD.view_as(x_BSD)), stats
 
     def init_weights(self, std: float, out_std: float) -> None:

@@ -55,6 +55,7 @@ class AllToAllDispatcher:
     def __init__(self, group: dist.ProcessGroup, num_experts: int):
         self.group = group
         self.ep = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
         self.local = LocalDispatcher()
@@ -76,11 +77,29 @@ class AllToAllDispatcher:
         offsets_El = torch.cumsum(recv_counts_PEl.sum(0), 0).to(torch.int32)
         return x_RD[regroup_R], offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
 
+    def spread(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kept routes per token sent to another ep rank, ep ranks reached per token): `route_spread`."""
+        return route_spread(routing.expert_TK, routing.kept_TK, self.local_experts, self.ep, self.ep_rank)
+
     def combine(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
         """y_RD in (local expert, source) order → y_TD of this rank's tokens."""
         y_source_major_RD = torch.empty_like(y_RD).index_copy(0, state.regroup_R, y_RD)
         y_AD = all_to_all_single_autograd(y_source_major_RD, state.send_splits, state.recv_splits, self.group)
         return self.local.combine(y_AD, state.local)
+
+
+@torch.no_grad()
+def route_spread(expert_TK: torch.Tensor, kept_TK: torch.Tensor, local_experts: int, ep: int, ep_rank: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """How far this rank's tokens travel: (kept routes per token whose expert lives on another of
+    the `ep` ranks, ep ranks each token's kept routes reach), both means over the T tokens. Rank p
+    holds experts [p·El, (p+1)·El). Group-limited routing with one group per ep rank bounds the
+    second by topk_groups."""
+    owner_TK = expert_TK // local_experts
+    remote = (kept_TK & (owner_TK != ep_rank)).sum(1).float().mean()
+    routes_TP = torch.zeros(owner_TK.shape[0], ep, dtype=torch.int64, device=owner_TK.device)
+    routes_TP.scatter_add_(1, owner_TK, kept_TK.to(torch.int64))
+    return remote, (routes_TP > 0).sum(1).float().mean()
 
 
 def _source_major_to_expert_major(counts_PEl: torch.Tensor) -> torch.Tensor:

@@ -174,3 +174,15 @@ def test_zero1_all_reduces_like_ddp_then_broadcasts_every_parameter():
     tensors = 2 * (2 + 4 + 1 + 3) + 1 + 2
     grads = ddp["all_reduce"]["bytes"] - CONTROL_BYTES
     assert zero1["broadcast"] == {"calls": 2 * tensors, "bytes": grads}
+
+
+def test_the_global_batch_loss_all_reduces_route_counts_per_moe_layer_and_micro_batch():
+    """bench/comm_volume.py --layouts dp2_accum2_global_loss measures these on a real step."""
+    model = replace(MODEL, moe=replace(MODEL.moe, aux_loss_type="global_batch"))
+    got = by_kind(predict_step(model, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=2))
+    base = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=2))
+    calls = 2 * 2 * 2  # MoE layers × micro-batches × ranks
+    assert got["all_reduce"]["calls"] - base["all_reduce"]["calls"] == calls
+    assert got["all_reduce"]["bytes"] - base["all_reduce"]["bytes"] == calls * 8 * 8  # E float64 counts
+    one = by_kind(predict_step(model, ParallelConfig(), batch=8, seq_len=32, grad_accum=2))
+    assert one == by_kind(predict_step(MODEL, ParallelConfig(), batch=8, seq_len=32, grad_accum=2))
