@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = [pytest.mark.slurm]
 
@@ -67,6 +68,7 @@ class Job:
         out = moetron(["submit", CONFIG, *overrides, "train.run_dir=runs", f"train.name={name}",
                        "--gpus-per-node", "0", *flags], env, workdir)
         self.id = out.stdout.split()[2].rstrip(":")
+        self.submit_stderr = out.stderr
         assert out.stdout.startswith(f"submitted job {self.id}:"), out.stdout
 
     @property
@@ -279,6 +281,29 @@ def test_two_ranks_bootstrapped_by_mpirun_train_the_same_losses(reference, env, 
     assert "launched by mpi" in log, log
     records = [json.loads(line) for line in (workdir / "runs" / "mpi" / "metrics.jsonl").read_text().splitlines()]
     assert losses(records) == losses(reference.metrics())
+
+
+# --- the planner's choice ------------------------------------------------------------------------------
+
+
+def test_layout_auto_submits_the_planners_first_layout_and_it_trains(reference, env, workdir):
+    """`--layout auto` on 2 CPU ranks: the job runs the layout `moetron plan --gpu cpu` ranks first
+    (its overrides are in the run's config.yaml) and completes with a checkpoint."""
+    reference.wait_until_gone()
+    overrides = [*TINY, "parallel.dp=2", "train.steps=10", "train.log_every=5", "train.eval_every=10"]
+    plan = moetron(["plan", CONFIG, *overrides, "train.grad_accum=1", "--gpus", "2", "--gpus-per-node", "2",
+                    "--gpu", "cpu", "--overrides-only"], env, workdir).stdout.split()
+    assert plan and all("=" in o for o in plan)
+    job = Job("auto", overrides, ["--time", "10", "--layout", "auto"], env, workdir)
+    assert f"--layout auto chose {' '.join(plan)}" in job.submit_stderr
+    job.wait_until_gone()
+    assert job.states() == ["COMPLETED"], job.log
+    assert job.checkpoints() == ["step-00000010"]
+    saved = yaml.safe_load((job.run / "config.yaml").read_text())
+    for override in plan:
+        key, value = override.split("=", 1)
+        section, field = key.split(".", 1)
+        assert str(saved[section][field]).lower() == value.lower(), (override, saved[section])
 
 
 # --- refusals against the real cluster ------------------------------------------------------------
