@@ -17,6 +17,11 @@ forward leaves allocated for backward (glibc's in-use bytes after minus before).
 times moetron's MoE at each expert count with expert width and top-k fixed (active parameters
 fixed, total growing): forward + backward alone and the full step with AdamW, relative to the first.
 
+After the timed rounds one more step of each model runs under the profiler, and its operators'
+self time is split into expert GEMMs (grouped GEMMs and what they call), attention (SDPA or the
+flash kernels, forward and backward), other matmuls (projections, dense FFN, LM head) and
+everything else (routing, permutes, norms, activations, the optimizer).
+
 Prints a table and one JSON line. Numbers are only comparable within a run: on a shared 2-core
 machine other load slows everything several-fold (the run warns when the load average is high).
 
@@ -101,6 +106,39 @@ def make_step(model, loss_fn, ids_BS, precision, *, moetron_optimizer: bool, tim
         return fwd_bwd if timed == "fwd_bwd" else elapsed
 
     return step
+
+
+# Profile classes: an operator belongs to the first class whose names appear in it or in the
+# operators that called it (a grouped GEMM's own matmuls count as expert GEMMs).
+EXPERT_OPS = ("grouped_mm",)
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "moetron::flash")
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear"}
+PROFILE_KINDS = ("expert_gemms", "attention", "other_matmuls", "everything_else")
+
+
+def profile_breakdown(step) -> dict[str, float]:
+    """Milliseconds of one call of `step` by class — expert GEMMs, attention, other matmuls,
+    everything else — from the profiler's self CPU time of each operator."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    out = dict.fromkeys(PROFILE_KINDS, 0.0)
+    for event in prof.events():
+        names, parent = [event.name], event.cpu_parent
+        while parent is not None:
+            names.append(parent.name)
+            parent = parent.cpu_parent
+        if any(key in name for name in names for key in EXPERT_OPS):
+            kind = "expert_gemms"
+        elif any(key in name for name in names for key in ATTENTION_OPS):
+            kind = "attention"
+        elif event.name in MATMUL_OPS:
+            kind = "other_matmuls"
+        else:
+            kind = "everything_else"
+        out[kind] += event.self_cpu_time_total / 1e3
+    return out
 
 
 def kept_for_backward(model, loss_fn, ids_BS, precision) -> int:
@@ -227,6 +265,8 @@ def main(argv=None) -> None:
         for key, step in steps.items():
             times[key].append(step())
 
+    # After the timed rounds, so the profiler's own cost touches no timing.
+    breakdown = {key: profile_breakdown(step) for key, step in steps.items()}
     tok_s = {prec: {name: tokens / statistics.median(times[name, prec]) for name in models} for prec in args.precision}
     params = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
     ratios = {}
@@ -246,12 +286,17 @@ def main(argv=None) -> None:
             kept_mib = f"{kept[name, prec] / 2**20:>10.1f}" if kept else ""
             print(f"{prec:<10}{name:<26}{params[name]:>12,}{ms:>10.1f}{tok_s[prec][name]:>12,.0f}{kept_mib}")
         print(f"{prec:<10}" + "   ".join(f"{k} = {v:.2f}x" for k, v in ratios[prec].items()))
+    print(f"profile of one step (ms of operator self time): {'model':<26}" + "".join(f"{k:>17}" for k in PROFILE_KINDS))
+    for (name, prec), parts in breakdown.items():
+        total = sum(parts.values())
+        print(f"{prec:<10}{'':<38}{name:<26}" + "".join(f"{parts[k]:>9.1f} ({parts[k] / total:>4.0%})" for k in PROFILE_KINDS))
     print(json.dumps({
         "bench": "model_throughput", "shape": shape, "quick": args.quick, "threads": args.threads,
         "steps": args.steps, "load_avg_before": round(load_1m, 2), "load_avg_after": round(os.getloadavg()[0], 2),
         "params": params, "tokens_per_s": {p: {n: round(v, 1) for n, v in r.items()} for p, r in tok_s.items()},
         "ratios": {p: {k: round(v, 3) for k, v in r.items()} for p, r in ratios.items()},
         "kept_for_backward_bytes": {f"{n}/{p}": v for (n, p), v in kept.items()},
+        "profile_ms": {f"{n}/{p}": {k: round(v, 2) for k, v in parts.items()} for (n, p), parts in breakdown.items()},
     }))
 
 

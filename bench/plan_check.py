@@ -49,6 +49,7 @@ LAYOUTS = {
     "dp4_zero1": ["parallel.dp=4", "parallel.dp_mode=zero1"],
     "ep4": ["parallel.dp=4", "parallel.ep=4"],
     "dp4_fsdp_ac": ["parallel.dp=4", "train.activation_checkpoint=full"],
+    "dp4_fsdp_sac": ["parallel.dp=4", "train.activation_checkpoint=selective"],
     "tp4": ["parallel.tp=4", "parallel.sequence_parallel=true"],
 }
 

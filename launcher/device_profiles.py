@@ -36,6 +36,13 @@ class DeviceProfile:
     # Seconds of fixed cost per block and micro-batch (forward + backward: kernel launches,
     # Python dispatch; GPUs: ~40 kernels per block at ~5 µs each); matters for small models.
     block_overhead: float = 2e-4
+    # Bus bandwidth of each collective kind relative to all_reduce's, where they differ (gloo on
+    # CPU: measured by --calibrate); a kind not named runs at the link's bandwidth (NCCL's ring
+    # collectives reach about the same bus bandwidth, so the GPU profiles name none).
+    kind_bw: dict[str, float] = field(default_factory=dict)
+    # Ranks per core (CPU runs with more ranks than cores; devices: 1). An idle rank's core goes to
+    # the busy ones, so a pipeline bubble costs 1/oversubscription of its time on a device.
+    oversubscription: float = 1.0
     sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -15,15 +15,18 @@ layout the trainer refuses. Its cost, by named part:
              at most MEMORY_HEADROOM of the device (allocator fragmentation, the CUDA context).
   compute    the FLOPs of the most loaded rank — dense work split by dp × cp × tp × pp, routed
              experts by dp × cp × pp × etp (replicated over tp when etp = 1), the LM head on the
-             last stage, ×4/3 for the recomputed forward under activation checkpointing — at the
-             profile's sustained matmul rate, plus a fixed cost per block and chunk.
-  comm       `parallel.comm_volume.predict_step`'s collectives, each at the bus bandwidth and
-             latency of the link its group spans: a group of consecutive ranks inside one node
+             last stage, ×4/3 for the recomputed forward under full activation checkpointing
+             (selective recomputes no matmul, only the elementwise work) — at the profile's
+             sustained matmul rate, plus a fixed cost per block and chunk (×1.5 under full
+             checkpointing, ×1.2 under selective: the regions replayed in backward).
+  comm       `parallel.comm_volume.predict_step`'s collectives, each at the bus bandwidth (of
+             its kind, where the profile tells kinds apart) and latency of the link its group spans: a group of consecutive ranks inside one node
              (TP, EP, CP laid out innermost) uses the intra-node link, any other the inter-node
              one. TP, SP, EP, ETP, CP and pipeline transfers are exposed; data-parallel ones hide
              behind compute up to the profile's `dp_overlap`.
   bubble     pipeline idle time: (pp − 1) / (m · vpp) of the busy time for GPipe, 1F1B and
-             interleaved 1F1B; a third of that for zero-bubble.
+             interleaved 1F1B; a third of that for zero-bubble; divided by the profile's
+             oversubscription (ranks per core on CPU, where an idle rank's core serves the others).
 
   step = compute + overhead + exposed comm + bubble;  tokens/s = T / step;
   MFU = 6N-with-attention FLOPs per token × tokens/s / (N × peak).
@@ -53,6 +56,12 @@ PURPOSE_DIM = {"tp": "tp", "sp": "tp", "etp": "tp", "ep": "ep", "cp": "cp", "pp"
 WIRE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n, "p2p": lambda n: 1.0,
                "broadcast": lambda n: 1.0}
+
+
+# FSDP's copies around its collectives, in bytes moved per byte of the collective's (unsharded)
+# size: a gather is split into the parameters (read + write), gradients are packed into the
+# reduce-scatter's input (read + write) and divided there (read + write); torch's FSDP2.
+FSDP_COPIES = {"all_gather": 2, "reduce_scatter": 4}
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,7 @@ class Layout:
         if self.grad_accum > 1:
             parts.append(f"ga{self.grad_accum}")
         if self.activation_checkpoint != "none":
-            parts.append("ac")
+            parts.append("ac" if self.activation_checkpoint == "full" else "sac")
         return " ".join(parts)
 
 
@@ -141,16 +150,20 @@ def base_layouts(cfg: Config, gpus: int, *, gpus_per_node: int) -> Iterator[Para
                                              microbatches=micro, sequence_parallel=sp, dp_mode=mode, dp_shard=shard)
 
 
+# Activation checkpointing, from the most memory to the least: selective keeps the matmul outputs.
+AC_MODES = ("none", "selective", "full")
+
+
 def variants(cfg: Config, par: ParallelConfig) -> list[Layout]:
     """The train settings tried with one parallel section, cheapest in memory last: gradient
     accumulation from 1 up (smaller micro-batches, each still divisible into the pipeline's
-    micro-batches), then the same with activation checkpointing."""
+    micro-batches), then the same with selective and with full activation checkpointing."""
     if cfg.train.batch_size % par.dp:
         return []
     per_rank = cfg.train.batch_size // par.dp
     micro = par.microbatches if par.pp > 1 else 1
     accums = [a for a in _divisors(per_rank) if a <= 64 and (per_rank // a) % micro == 0]
-    return [Layout(par, a, ac) for ac in ("none", "full") for a in accums]
+    return [Layout(par, a, ac) for ac in AC_MODES for a in accums]
 
 
 def _schedules(pp: int, n_layers: int) -> list[tuple[str, int, int]]:
@@ -207,7 +220,7 @@ def predict_memory(cfg: Config, layout: Layout) -> dict[str, float]:
                           cp=par.cp, etp=par.etp, dp_mode=par.dp_mode, dp_shard=par.dp_shard,
                           sequence_parallel=par.sequence_parallel, microbatches_in_flight=in_flight,
                           flash_attention=m.attention != "eager",
-                          activation_checkpoint=layout.activation_checkpoint == "full",
+                          activation_checkpoint=layout.activation_checkpoint,
                           activation_bytes=act_bytes).to_dict()
     mem["buffers"] = _buffers(cfg, par, micro, act_bytes)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
@@ -222,7 +235,7 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
     act_bytes = 4 if t.precision == "fp32" else 2
     flash = m.attention != "eager"
     chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
-    ac = layout.activation_checkpoint == "full"
+    ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
     mem = predict_memory(cfg, layout)
     fits = mem["total"] <= MEMORY_HEADROOM * profile.memory_bytes
 
@@ -234,8 +247,8 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
     recompute = 4 / 3 if ac else 1.0
     flops_rank = rank_tokens * (layers * recompute + comp["lm_head"] / par.tp)
     compute_s = flops_rank / (profile.peak_flops * profile.matmul_efficiency)
-    overhead_s = profile.block_overhead * (m.n_layers / par.pp) * chunks * (1.5 if ac else 1.0)
-    memory_s = _memory_bound_bytes(cfg, par, rank_tokens, act_bytes, ac, mem) / profile.hbm_bw
+    overhead_s = profile.block_overhead * (m.n_layers / par.pp) * chunks * (1.5 if ac else 1.2 if sac else 1.0)
+    memory_s = _memory_bound_bytes(cfg, par, rank_tokens, act_bytes, ac or sac, mem) / profile.hbm_bw
 
     traffic = predict_step(m, par, batch=batch, seq_len=seq_len, grad_accum=layout.grad_accum,
                            act_bytes=act_bytes)
@@ -253,8 +266,11 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
         per_rank = item.bytes / world
         bw, latency = (profile.intra_bw, profile.intra_latency) if link == "intra" else (profile.inter_bw,
                                                                                           profile.inter_latency)
+        bw *= profile.kind_bw.get(item.kind, 1.0)
         seconds = per_rank * WIRE_FACTOR[item.kind](n) / bw + item.calls / world * latency
         comm_bytes[item.kind] = comm_bytes.get(item.kind, 0.0) + per_rank
+        if dim in ("dp", "dp_shard") and item.kind in FSDP_COPIES:
+            memory_s += FSDP_COPIES[item.kind] * per_rank / profile.hbm_bw
         link_bytes[link] += per_rank
         total_s += seconds
         if dim == "dp":
@@ -268,6 +284,7 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
         bubble = (par.pp - 1) / (par.microbatches * par.vpp)
         if par.schedule == "zero_bubble":
             bubble /= 3
+        bubble /= profile.oversubscription
     busy = compute_s + memory_s + overhead_s + exposed_s
     step_s = busy * (1 + bubble)
     tokens_per_s = tokens / step_s
@@ -345,7 +362,7 @@ def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int) 
         # Memory falls as accumulation rises and with checkpointing, and time rises with both: for
         # each checkpointing choice the first accumulation that fits is the fastest.
         best: list[tuple[Layout, Config]] = []
-        for ac in ("none", "full"):
+        for ac in AC_MODES:
             for layout, full in tried:
                 if layout.activation_checkpoint == ac and predict_memory(full, layout)["total"] <= budget:
                     best.append((layout, full))

@@ -72,6 +72,39 @@ def test_predicted_weights_grads_and_optimizer_equal_a_real_model():
     assert mem["optimizer"] == sum(v.nbytes for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
 
 
+def test_per_kind_bandwidth_fsdp_copies_and_oversubscription_enter_the_time_as_stated():
+    """The CPU profile's refinements, each against its formula: a collective kind at half the bus
+    bandwidth takes its bytes' time twice; FSDP's copies move 2× the gathered and 4× the scattered
+    bytes through memory; a bubble on an oversubscribed CPU costs 1/oversubscription."""
+    from moetron.launcher.planner import WIRE_FACTOR, predict
+    from moetron.parallel.comm_volume import predict_step
+
+    cfg = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16"])
+    base = DeviceProfile("cpu", 1e11, 6e9, 0.5, 1e9, 0.0, 1e9, 0.0, hbm_bw=1e10, dp_overlap=0.0)
+    fsdp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4"], world_size=4).parallel)
+    plain, slow = (predict(cfg, fsdp, DeviceProfile(**{**base.to_dict(), "kind_bw": kind}), gpus_per_node=4)
+                   for kind in ({}, {"reduce_scatter": 0.5}))
+    traffic = predict_step(cfg.model, fsdp.parallel, batch=16, seq_len=cfg.train.seq_len)
+    scattered = sum(t.bytes for t in traffic if t.kind == "reduce_scatter") / 4  # per rank
+    gathered = sum(t.bytes for t in traffic if t.kind == "all_gather") / 4
+    assert slow.times["comm_total"] - plain.times["comm_total"] == pytest.approx(
+        scattered * WIRE_FACTOR["reduce_scatter"](4) / 1e9)
+    ddp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4", "parallel.dp_mode=ddp"], world_size=4).parallel)
+    no_copies = predict(cfg, ddp, base, gpus_per_node=4).times["memory_bound"]
+    # The optimizer reads and writes what the rank holds (DDP: all of it, FSDP: a quarter); beyond
+    # that the two differ by FSDP's copies only.
+    def optimizer_pass(layout):
+        m = predict_memory(cfg, layout)
+        return 2 * (m["weights"] + m["grads"] + m["optimizer"]) / 1e10
+
+    copies = plain.times["memory_bound"] - optimizer_pass(fsdp) - (no_copies - optimizer_pass(ddp))
+    assert copies == pytest.approx((2 * gathered + 4 * scattered) / 1e10)
+    pp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2).parallel)
+    one, two = (predict(cfg, pp, DeviceProfile(**{**base.to_dict(), "oversubscription": o}), gpus_per_node=2)
+                for o in (1.0, 2.0))
+    assert one.bubble == pytest.approx(0.5) and two.bubble == pytest.approx(0.25)
+
+
 def test_plan_cli_json_and_overrides(tmp_path):
     out = moetron("plan", "configs/tiny.yaml", "--gpus", "4", "--gpu", "H100", "--json", "--top", "3")
     assert out.returncode == 0, out.stderr
