@@ -286,10 +286,11 @@ def main(argv=None) -> None:
             kept_mib = f"{kept[name, prec] / 2**20:>10.1f}" if kept else ""
             print(f"{prec:<10}{name:<26}{params[name]:>12,}{ms:>10.1f}{tok_s[prec][name]:>12,.0f}{kept_mib}")
         print(f"{prec:<10}" + "   ".join(f"{k} = {v:.2f}x" for k, v in ratios[prec].items()))
-    print(f"profile of one step (ms of operator self time): {'model':<26}" + "".join(f"{k:>17}" for k in PROFILE_KINDS))
+    print("profile of one step: ms of operator self time (share)")
+    print(f"{'precision':<10}{'model':<26}" + "".join(f"{k:>18}" for k in PROFILE_KINDS))
     for (name, prec), parts in breakdown.items():
         total = sum(parts.values())
-        print(f"{prec:<10}{'':<38}{name:<26}" + "".join(f"{parts[k]:>9.1f} ({parts[k] / total:>4.0%})" for k in PROFILE_KINDS))
+        print(f"{prec:<10}{name:<26}" + "".join(f"{parts[k]:>11.1f} ({parts[k] / total:>4.0%})" for k in PROFILE_KINDS))
     print(json.dumps({
         "bench": "model_throughput", "shape": shape, "quick": args.quick, "threads": args.threads,
         "steps": args.steps, "load_avg_before": round(load_1m, 2), "load_avg_after": round(os.getloadavg()[0], 2),

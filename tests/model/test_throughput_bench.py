@@ -1,0 +1,21 @@
+"""bench/model_throughput.py runs from another folder and splits each model's step into profile
+classes: the MoE's time has expert GEMMs, its dense twin's none, and both have attention."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "model_throughput.py"
+
+
+def test_quick_run_reports_a_profile_breakdown_per_model(tmp_path):
+    out = subprocess.run([sys.executable, str(BENCH), "--quick", "--no-transformers", "--precision", "fp32",
+                          "--threads", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    moe, dense = result["profile_ms"]["moetron-moe/fp32"], result["profile_ms"]["moetron-dense/fp32"]
+    assert set(moe) == set(dense) == {"expert_gemms", "attention", "other_matmuls", "everything_else"}
+    assert moe["expert_gemms"] > 0 and dense["expert_gemms"] == 0
+    assert moe["attention"] > 0 and dense["attention"] > 0 and dense["other_matmuls"] > 0
+    assert "profile of one step" in out.stdout
