@@ -45,10 +45,22 @@ from moetron.parallel.tensor_parallel import apply_tensor_parallel
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def apply_compile(model: Decoder) -> None:
+def apply_compile(model: Decoder, *, tensor_parallel: bool = False) -> None:
     """Compile block by block: small graphs, one compilation reused by identical blocks."""
     for block in model.layers.values():
-        block.compile()
+        if tensor_parallel:
+            # torch 2.13: between compiled blocks whose weights are DTensors, a gradient reaches
+            # DTensor's redistribute backward as a plain tensor ("'Tensor' object has no attribute
+            # '_local_tensor'"); an eager copy of each block's input avoids it, so the block's
+            # forward is compiled and the copy stays outside.
+            block.register_forward_pre_hook(_copy_hidden_states)
+            block.forward = torch.compile(block.forward)
+        else:
+            block.compile()
+
+
+def _copy_hidden_states(module: nn.Module, args: tuple) -> tuple:
+    return (args[0].clone(), *args[1:])
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
@@ -220,7 +232,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         expert_tp_split |= apply_expert_tensor_parallel(part, mesh, cfg)
         apply_activation_checkpointing(part, activation_checkpoint)
         if compile:
-            apply_compile(part)
+            apply_compile(part, tensor_parallel=cfg.tp > 1)
         apply_data_parallel(part, mesh, cfg)
     ep, ep_rank, tp, tp_rank = mesh.size("ep"), mesh.rank("ep"), mesh.size("tp"), mesh.rank("tp")
 

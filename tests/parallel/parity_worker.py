@@ -76,6 +76,12 @@ CASES = {
     "pp2_dp2_interleaved_global": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"), GLOBAL, 1),
     "pp2_dp2_global_ac_full": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), GLOBAL, 1),
     "ep2_fsdp_global_ac_selective": (dict(dp=2, ep=2), GLOBAL, 2),
+    # train.compile=true: every block compiled (regional), against the eager one-process reference
+    # (not with sequence parallel, which the layout rules refuse: compiled it does not match).
+    "ep2_fsdp_compiled": (dict(dp=2, ep=2), BIAS, 1),
+    "tp2_compiled": (dict(tp=2), {}, 1),
+    "pp2_1f1b_compiled": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 1),
+    "dp2_ddp_compiled": (dict(dp=2, dp_mode="ddp"), GLOBAL, 2),
     "tp2": (dict(tp=2), {}, 1),
     "tp2_sp": (dict(tp=2, sequence_parallel=True), {}, 1),
     "tp2_sp_learned": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
@@ -141,6 +147,8 @@ CASES = {
 }
 
 
+# Cases whose blocks are compiled, as train.compile=true does (the reference stays eager).
+COMPILED = {"tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_compiled"}
 # Cases stepped with AdamW (a sharded optimizer's state is what they test) instead of SGD.
 ADAMW = {"zero1_dp4", "zero1_dp4_ep2", "zero1_dp2_tp2_etp2"}
 # Cases run with activation checkpointing (the reference never checkpoints: recomputation must
@@ -248,7 +256,8 @@ def run_case(name: str) -> dict:
     ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw, dp=pcfg.dp)
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
-                     cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"))
+                     cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"),
+                     compile=name in COMPILED)
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}

@@ -53,6 +53,7 @@ def cfg_with(*overrides):
     (["parallel.dp=4", "parallel.ep=4", "parallel.dp_mode=hsdp", "parallel.dp_shard=2"], "must be a multiple of ep (4)"),
     (["parallel.dp=2", "parallel.dp_shard=2"], "only applies to dp_mode=hsdp"),
     (["parallel.dp_mode=zero3"], "must be one of"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true"], "not supported with parallel.sequence_parallel"),
 ])
 def test_bad_layouts_name_the_rule(overrides, rule):
     with pytest.raises(ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")):

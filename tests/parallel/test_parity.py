@@ -36,6 +36,9 @@ LAUNCHES = {
         "tp2_sp_ep2_global", "cp2_dp2_global", "pp2_dp2_interleaved_global", "pp2_dp2_global_ac_full"],
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
+# train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch
+# loss: one 2-rank launch, slow (each rank compiles its blocks on CPU, ~100 s in all).
+COMPILED = ["tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_compiled"]
 
 
 def launch(world: int, cases: list[str]) -> list[dict]:
@@ -54,5 +57,14 @@ def launch(world: int, cases: list[str]) -> list[dict]:
 def test_layouts_match_one_process(world):
     results = {r["case"]: r for r in launch(world, LAUNCHES[world])}
     assert set(results) == set(LAUNCHES[world]), f"missing: {set(LAUNCHES[world]) - set(results)}"
+    bad = [r for r in results.values() if not r["ok"]]
+    assert not bad, json.dumps(bad, indent=1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_blocks_train_like_one_eager_process():
+    results = {r["case"]: r for r in launch(2, COMPILED)}
+    assert set(results) == set(COMPILED), f"missing: {set(COMPILED) - set(results)}"
     bad = [r for r in results.values() if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)
