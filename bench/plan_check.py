@@ -14,7 +14,8 @@ steps (median, all ranks in step), one step under bench/comm_volume.py's `Collec
                     step to its highest point, read after every operator (grads, activations,
                     communication buffers, temporaries); the largest rank is reported.
   memory, predicted `launcher.planner.predict_memory` (weights + grads + optimizer + activations +
-                    buffers).
+                    buffers), under expert parallelism for the routing the probed step had: the
+                    busiest ep rank's routes over the mean (`moetron plan --expert-imbalance`).
 Then it prints predicted against measured for each layout, the ratio, Kendall's tau between the
 predicted and measured order of step times, and one JSON line.
 """
@@ -109,8 +110,8 @@ def measure(name: str, steps: int) -> dict:
 
     def step():
         batch = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=g)
-        train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
-                   autocast=contextlib.nullcontext)
+        return train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
+                          autocast=contextlib.nullcontext)
 
     for _ in range(2):
         step()
@@ -130,12 +131,26 @@ def measure(name: str, steps: int) -> dict:
         if isinstance(v, torch.Tensor) and v.ndim > 0)
     probe = HeapPeak()
     with probe:
-        step()
+        result = step()
     mine = {"bytes": sum(counter.bytes.values()), "memory": held + probe.peak - probe.start}
+    imbalance = expert_imbalance(result.moe, cfg.parallel) if cfg.parallel.pp == 1 else 1.0
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return {"layout": name, "step_s": float(step_s), "comm_bytes": sum(e["bytes"] for e in everyone),
-            "memory": max(e["memory"] for e in everyone)}
+            "memory": max(e["memory"] for e in everyone), "expert_imbalance": imbalance}
+
+
+def expert_imbalance(moe: dict, par) -> float:
+    """Routes of the probed step's last micro-batch held by the busiest ep rank over the mean,
+    summed over the MoE layers (a collective; tp copies scale every rank alike); 1 without EP."""
+    import torch.distributed as dist
+
+    if par.ep == 1 or not moe:
+        return 1.0
+    counts_LE = torch.stack([moe[layer].counts_E.double() for layer in sorted(moe)])
+    dist.all_reduce(counts_LE)
+    per_rank = counts_LE.sum(0).view(par.ep, -1).sum(1)
+    return float(per_rank.max() / per_rank.mean())
 
 
 def worker(names: list[str], steps: int) -> int:
@@ -154,7 +169,7 @@ def worker(names: list[str], steps: int) -> int:
     return 0
 
 
-def predicted(name: str) -> dict:
+def predicted(name: str, expert_imbalance: float = 1.0) -> dict:
     from moetron.launcher.device_profiles import get_profile
     from moetron.launcher.planner import Layout, predict
     from moetron.parallel.comm_volume import predict_step
@@ -162,7 +177,7 @@ def predicted(name: str) -> dict:
     cfg = layout_config(name)
     t = cfg.train
     layout = Layout(cfg.parallel, t.grad_accum, t.activation_checkpoint)
-    p = predict(cfg, layout, get_profile("cpu"), gpus_per_node=RANKS)
+    p = predict(cfg, layout, get_profile("cpu"), gpus_per_node=RANKS, expert_imbalance=expert_imbalance)
     # Bytes summed over ranks, as measured (the planner works per rank).
     total = sum(item.bytes for item in predict_step(cfg.model, cfg.parallel, batch=t.batch_size, seq_len=t.seq_len,
                                                      grad_accum=t.grad_accum))
@@ -199,10 +214,12 @@ def main() -> None:
         sys.exit(f"the measuring launch failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     rows = []
     for run in runs:
-        pred = predicted(run["layout"])
+        # Memory is predicted for the routing the probed step measured (the planner's
+        # --expert-imbalance); balanced routing is the planner's default.
+        pred = predicted(run["layout"], run["expert_imbalance"])
         rows.append({"layout": run["layout"], "measured": {k: run[k] for k in ("step_s", "comm_bytes", "memory")},
                      "predicted": {k: pred[k] for k in ("step_s", "comm_bytes", "memory")},
-                     "predicted_times": pred["times"]})
+                     "predicted_times": pred["times"], "expert_imbalance": run["expert_imbalance"]})
     tau = kendall_tau([r["predicted"]["step_s"] for r in rows], [r["measured"]["step_s"] for r in rows])
     print(f"tiny config, {BASE}; {RANKS} gloo ranks; cpu profile: {profile.peak_flops / 1e9:.1f} GFLOP/s per rank, "
           f"bus {profile.intra_bw / 1e9:.2f} GB/s, latency {profile.intra_latency * 1e3:.2f} ms, "

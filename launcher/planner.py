@@ -209,8 +209,9 @@ def _group_span(par: ParallelConfig, dim: str) -> tuple[int, int]:
     return sizes[dim], sizes[dim] * stride[dim]
 
 
-def predict_memory(cfg: Config, layout: Layout) -> dict[str, float]:
-    """Bytes per rank by part (weights, grads, optimizer, activations, buffers) and their total."""
+def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0) -> dict[str, float]:
+    """Bytes per rank by part (weights, grads, optimizer, activations, buffers) and their total.
+    `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced)."""
     m, t, par = cfg.model, cfg.train, layout.parallel
     act_bytes = 4 if t.precision == "fp32" else 2
     chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
@@ -221,13 +222,14 @@ def predict_memory(cfg: Config, layout: Layout) -> dict[str, float]:
                           sequence_parallel=par.sequence_parallel, microbatches_in_flight=in_flight,
                           flash_attention=m.attention != "eager",
                           activation_checkpoint=layout.activation_checkpoint,
-                          activation_bytes=act_bytes).to_dict()
-    mem["buffers"] = _buffers(cfg, par, micro, act_bytes)
+                          activation_bytes=act_bytes, expert_imbalance=expert_imbalance).to_dict()
+    mem["buffers"] = _buffers(cfg, par, micro, act_bytes, expert_imbalance)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     return mem
 
 
-def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_node: int) -> Prediction:
+def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_node: int,
+            expert_imbalance: float = 1.0) -> Prediction:
     """Memory, FLOPs, communication, bubble and step time of `layout` (see the module docstring)."""
     m, t, par = cfg.model, cfg.train, layout.parallel
     seq_len, batch = t.seq_len, t.batch_size
@@ -236,7 +238,7 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
     flash = m.attention != "eager"
     chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
     ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
-    mem = predict_memory(cfg, layout)
+    mem = predict_memory(cfg, layout, expert_imbalance=expert_imbalance)
     fits = mem["total"] <= MEMORY_HEADROOM * profile.memory_bytes
 
     # Compute on the most loaded rank (the last pipeline stage, which also holds the head).
@@ -324,9 +326,9 @@ def _block_params(m) -> tuple[float, float]:
     return dense, experts / max(n_moe, 1)
 
 
-def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int) -> float:
+def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, imbalance: float = 1.0) -> float:
     """Communication buffers: FSDP/HSDP's gathered copy of two blocks (the routed experts being
-    their own unit, E/ep of them); EP's send + receive rows."""
+    their own unit, E/ep of them); EP's send + receive rows (received: × the busiest rank's imbalance)."""
     m = cfg.model
     out = 0.0
     if par.dp_mode in ("fsdp", "hsdp") and par.dp * par.cp > 1:
@@ -334,7 +336,8 @@ def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int) -> fl
         out += 2 * (dense / par.tp + experts / (par.ep * par.etp)) * 4
     if par.ep > 1 and m.moe.enabled:
         rows = micro * cfg.train.seq_len / par.cp * m.moe.top_k
-        out += 2 * rows * m.d_model * act_bytes
+        received = min(imbalance, m.moe.capacity_factor or imbalance)
+        out += (1 + received) * rows * m.d_model * act_bytes
     return out
 
 
@@ -345,7 +348,8 @@ class Plan:
     considered: int
 
 
-def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int) -> Plan:
+def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int,
+         expert_imbalance: float = 1.0) -> Plan:
     """For each parallel section, the fastest valid variant (gradient accumulation, activation
     checkpointing) that fits; sections where none fits are dropped with their leanest variant's
     memory. The fitting ones are ranked by predicted step time."""
@@ -364,16 +368,19 @@ def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int) 
         best: list[tuple[Layout, Config]] = []
         for ac in AC_MODES:
             for layout, full in tried:
-                if layout.activation_checkpoint == ac and predict_memory(full, layout)["total"] <= budget:
+                if (layout.activation_checkpoint == ac
+                        and predict_memory(full, layout, expert_imbalance=expert_imbalance)["total"] <= budget):
                     best.append((layout, full))
                     break
         best = [(layout, full) for layout, full in best if is_valid(full, gpus)]
         if best:
-            preds = [predict(full, layout, profile, gpus_per_node=gpus_per_node) for layout, full in best]
+            preds = [predict(full, layout, profile, gpus_per_node=gpus_per_node, expert_imbalance=expert_imbalance)
+                     for layout, full in best]
             ranked.append(min(preds, key=lambda p: (p.step_s, p.memory["total"])))
         else:
             layout, full = tried[-1]  # the leanest: most accumulation, checkpointed
-            dropped.append(predict(full, layout, profile, gpus_per_node=gpus_per_node))
+            dropped.append(predict(full, layout, profile, gpus_per_node=gpus_per_node,
+                                   expert_imbalance=expert_imbalance))
     ranked.sort(key=lambda p: (p.step_s, p.memory["total"]))
     dropped.sort(key=lambda p: p.memory["total"])
     return Plan(ranked, dropped, n)

@@ -193,14 +193,15 @@ class MemoryEstimate:
 
 def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
                                   flash_attention: bool = True, seq_len: int = 0, etp: int = 1,
-                                  selective: bool = False) -> dict[str, float]:
+                                  selective: bool = False, expert_imbalance: float = 1.0) -> dict[str, float]:
     """Elements saved for backward per token by one dense and one MoE layer (Korthikanti et al.
     2022, counted for this implementation). Head- and hidden-sized tensors are split by TP (a routed
     expert's hidden ones by etp: 1 keeps them whole on every tp rank); D-sized ones only under
     sequence parallelism. Eager attention also keeps the S-long scores
     and probabilities of every head. `selective` (activation checkpointing that keeps matmul
     outputs only): an FFN keeps its up-projections' outputs, not the activation's; the router its
-    logits, not its probabilities."""
+    logits, not its probabilities. `expert_imbalance`: routes held by the rank whose experts are
+    busiest over the mean (1 = balanced; under expert parallelism that rank holds the most)."""
     D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
     d_split = tp if sequence_parallel else 1
     # Two norm inputs and outputs: D each.
@@ -220,7 +221,7 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
         # Router input and probabilities in fp32 (counted double), then per route: the
         # dispatched row, the expert's hidden tensors and its output row.
         router = (D + moe.num_experts) * (1 if selective else 2)
-        routed = router + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp)
+        routed = router + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp) * expert_imbalance
         routed += hidden * moe.shared_expert_d_ff / tp
     return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
 
@@ -230,7 +231,8 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
                     sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
                     flash_attention: bool = True, activation_checkpoint: bool | str = False,
                     param_bytes: int = 4, grad_bytes: int = 4,
-                    optimizer_bytes: int = 8, activation_bytes: int = 2) -> MemoryEstimate:
+                    optimizer_bytes: int = 8, activation_bytes: int = 2,
+                    expert_imbalance: float = 1.0) -> MemoryEstimate:
     """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank.
 
     Layers are split evenly over `pp` stages; the first holds the embedding, the last the head.
@@ -246,6 +248,8 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
     fp32 logits and their gradient on the last stage. With `activation_checkpoint` a block keeps
     only its input (D per token, split by tp under sequence parallel) and one block at a time holds
     everything while it is recomputed. Fragmentation and communication buffers are not included.
+    Under expert parallelism (ep > 1) the routed rows are the busiest rank's: the mean times
+    `expert_imbalance` (its max / mean routes; capped by moe.capacity_factor when that is set).
     """
     n_dense, n_moe = _layer_counts(cfg)
     total_weights = matmul_params(cfg, active=False)
@@ -270,9 +274,12 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
         optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
 
     mode = {True: "full", False: "none"}.get(activation_checkpoint, activation_checkpoint)
+    imbalance = 1.0
+    if ep > 1 and cfg.moe.enabled:
+        imbalance = min(expert_imbalance, cfg.moe.capacity_factor or expert_imbalance)
     per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
                                               flash_attention=flash_attention, seq_len=seq_len, etp=etp,
-                                              selective=mode == "selective")
+                                              selective=mode == "selective", expert_imbalance=imbalance)
     layer_elements = (n_dense * per_token["dense_layer"] + n_moe * per_token["moe_layer"]) / pp
     if mode == "full":
         d_split = tp if sequence_parallel else 1

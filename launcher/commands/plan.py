@@ -28,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--interconnect", default=None, help="inter-node link: ndr, hdr, roce400, eth100")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="routes held by the busiest expert-parallel rank over the mean (1 = balanced; "
+                        "moe_max_vio + 1 in metrics.jsonl bounds it); capped by model.moe.capacity_factor")
     p.add_argument("--top", type=int, default=10, help="layouts to show")
     p.add_argument("--where", nargs="+", metavar="FIELD=VALUE", default=(),
                    help="show only layouts with these parallel fields (e.g. pp=4 ep=8 tp=1), with their rank")
@@ -99,7 +102,10 @@ def make_plan(args):
     # The plan picks the accumulation; the preset's own would otherwise constrain the batch split.
     cfg = load_config(args.config, [*overrides, "train.grad_accum=1"], world_size=args.gpus)
     profile = get_profile(args.gpu, interconnect=args.interconnect)
-    return cfg, profile, plan(cfg, args.gpus, profile, gpus_per_node=args.gpus_per_node)
+    if args.expert_imbalance < 1:
+        raise ConfigError(f"--expert-imbalance {args.expert_imbalance}: must be >= 1 (the busiest rank over the mean)")
+    return cfg, profile, plan(cfg, args.gpus, profile, gpus_per_node=args.gpus_per_node,
+                              expert_imbalance=args.expert_imbalance)
 
 
 def print_plan(cfg, args, profile, result, shown) -> None:

@@ -148,3 +148,28 @@ def test_plan_check_memory_and_bytes_match_a_measured_run(tmp_path):
     for r in rows:
         assert r["predicted"]["comm_bytes"] == pytest.approx(r["measured"]["comm_bytes"], rel=1e-3), r
         assert r["predicted"]["memory"] == pytest.approx(r["measured"]["memory"], rel=0.15), r
+
+
+def test_expert_imbalance_scales_only_the_routed_rows_of_expert_parallel_layouts():
+    """The busiest ep rank's routes over the mean multiply the routed rows (their activations and
+    the received all-to-all buffer); capacity caps it; without EP nothing changes."""
+    from moetron.model.flops import activation_elements_per_token
+
+    cfg = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4",
+                                              "parallel.ep=4"], world_size=4)
+    layout = Layout(cfg.parallel)
+    one, two = (predict_memory(cfg, layout, expert_imbalance=x) for x in (1.0, 2.0))
+    m = cfg.model
+    per_route = activation_elements_per_token(m)["moe_layer"] - activation_elements_per_token(
+        m, expert_imbalance=0.0)["moe_layer"]  # the routed rows' elements per token, balanced
+    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    tokens = 16 // 4 * cfg.train.seq_len
+    assert two["activations"] - one["activations"] == pytest.approx(n_moe * per_route * tokens * 4, rel=1e-6)
+    assert two["buffers"] - one["buffers"] == pytest.approx(tokens * m.moe.top_k * m.d_model * 4)
+    capped = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4",
+                                                 "parallel.ep=4", "model.moe.capacity_factor=1.25"], world_size=4)
+    assert predict_memory(capped, layout, expert_imbalance=2.0) == predict_memory(capped, layout,
+                                                                                   expert_imbalance=1.25)
+    dp = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4"],
+                     world_size=4)
+    assert predict_memory(dp, Layout(dp.parallel), expert_imbalance=2.0) == predict_memory(dp, Layout(dp.parallel))
