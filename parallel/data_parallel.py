@@ -130,7 +130,10 @@ def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: 
             p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         copies = ranks_per_stage / _distinct_shards(name, p.grad, expert_sharded, cfg.ep, expert_tp_split, cfg.tp)
-        squares.append(local.double().square().sum() / copies)
+        # The norm in the gradient's own precision (a float64 copy of every gradient cost as much
+        # as the all-reduce on CPU), squared and summed over pieces in float64.
+        norm = torch.linalg.vector_norm(local, dtype=torch.promote_types(local.dtype, torch.float32))
+        squares.append(norm.double().square() / copies)
         grads.append(local)
     device = grads[0].device if grads else torch.device(mesh.device_type)
     total = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64, device=device)
