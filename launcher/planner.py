@@ -20,9 +20,9 @@ layout the trainer refuses. Its cost, by named part:
              sustained matmul rate, plus a fixed cost per block and chunk (×1.5 under full
              checkpointing, ×1.2 under selective: the regions replayed in backward).
   comm       `parallel.comm_volume.predict_step`'s collectives, each at the bus bandwidth (of
-             its kind, where the profile tells kinds apart) and latency of the link its group spans: a group of consecutive ranks inside one node
-             (TP, EP, CP laid out innermost) uses the intra-node link, any other the inter-node
-             one. TP, SP, EP, ETP, CP and pipeline transfers are exposed; data-parallel ones hide
+             its kind, where the profile tells kinds apart) and latency of the link its group
+             spans: a group of consecutive ranks inside one node (TP, EP, CP laid out innermost)
+             uses the intra-node link, any other the inter-node one. TP, SP, EP, ETP, CP and pipeline transfers are exposed; data-parallel ones hide
              behind compute up to the profile's `dp_overlap`.
   bubble     pipeline idle time: (pp − 1) / (m · vpp) of the busy time for GPipe, 1F1B and
              interleaved 1F1B; a third of that for zero-bubble; divided by the profile's
@@ -43,8 +43,8 @@ from typing import Iterator
 
 from moetron.launcher.config import Config, ConfigError, validate, validate_launch
 from moetron.launcher.device_profiles import DeviceProfile
-from moetron.model.flops import (flops_by_component, flops_per_token, matmul_params, memory_per_rank, params_embedding,
-                                 params_total)
+from moetron.model.flops import (busiest_rank_imbalance, flops_by_component, flops_per_token, matmul_params,
+                                 memory_per_rank, params_embedding, params_total)
 from moetron.parallel.comm_volume import predict_step
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import MESH_DIMS, mesh_shape
@@ -336,8 +336,7 @@ def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, imbal
         out += 2 * (dense / par.tp + experts / (par.ep * par.etp)) * 4
     if par.ep > 1 and m.moe.enabled:
         rows = micro * cfg.train.seq_len / par.cp * m.moe.top_k
-        received = min(imbalance, m.moe.capacity_factor or imbalance)
-        out += (1 + received) * rows * m.d_model * act_bytes
+        out += (1 + busiest_rank_imbalance(m, par.ep, imbalance)) * rows * m.d_model * act_bytes
     return out
 
 

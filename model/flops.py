@@ -226,6 +226,15 @@ def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_par
     return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
 
 
+def busiest_rank_imbalance(cfg: ModelConfig, ep: int, expert_imbalance: float) -> float:
+    """Routed rows on the busiest expert-parallel rank over the mean: `expert_imbalance`, at most
+    moe.capacity_factor when capacity is set, and 1 without expert parallelism (every rank then
+    holds every expert, so each keeps its own tokens' routes)."""
+    if ep == 1 or not cfg.moe.enabled:
+        return 1.0
+    return min(expert_imbalance, cfg.moe.capacity_factor or expert_imbalance)
+
+
 def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int = 1, tp: int = 1, ep: int = 1,
                     dp: int = 1, cp: int = 1, etp: int = 1, dp_mode: str = "fsdp", dp_shard: int = 0,
                     sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
@@ -274,9 +283,7 @@ def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int
         optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
 
     mode = {True: "full", False: "none"}.get(activation_checkpoint, activation_checkpoint)
-    imbalance = 1.0
-    if ep > 1 and cfg.moe.enabled:
-        imbalance = min(expert_imbalance, cfg.moe.capacity_factor or expert_imbalance)
+    imbalance = busiest_rank_imbalance(cfg, ep, expert_imbalance)
     per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
                                               flash_attention=flash_attention, seq_len=seq_len, etp=etp,
                                               selective=mode == "selective", expert_imbalance=imbalance)

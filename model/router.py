@@ -78,6 +78,18 @@ def rank_within_expert(expert_TK: torch.Tensor, num_experts: int) -> torch.Tenso
     return rank_A.view(expert_TK.shape[1], -1).t()
 
 
+def _mean_probs(probs_TE: torch.Tensor, sequence_sum: SequenceSum | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """(P_E, T): each expert's mean probability over the tokens and their number; with
+    `sequence_sum`, both over the whole sequences (summed over the ranks holding the other
+    positions, differentiably for P_E)."""
+    num_tokens, num_experts = probs_TE.shape
+    if sequence_sum is None:
+        return probs_TE.mean(dim=0), num_tokens
+    sums = sequence_sum(torch.cat([probs_TE.sum(0), probs_TE.new_full((1,), num_tokens)]))
+    return sums[:num_experts] / sums[num_experts], sums[num_experts].detach()
+
+
 def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: int,
                         sequence_sum: SequenceSum | None = None) -> torch.Tensor:
     """Switch Transformer's E · Σ_e f_e · P_e, with f_e the share of the K·T routes sent to e
@@ -86,27 +98,18 @@ def load_balancing_loss(probs_TE: torch.Tensor, counts_E: torch.Tensor, top_k: i
 
     With `sequence_sum`, `counts_E` are already the whole sequences' and the probability sums and
     token counts are summed by it over the ranks holding the other positions."""
-    num_tokens, num_experts = probs_TE.shape
-    if sequence_sum is None:
-        f_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
-        return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
-    sums = sequence_sum(torch.cat([probs_TE.sum(0), probs_TE.new_full((1,), num_tokens)]))
-    P_E, num_tokens = sums[:num_experts] / sums[num_experts], sums[num_experts].detach()
+    P_E, num_tokens = _mean_probs(probs_TE, sequence_sum)
     f_E = counts_E.to(probs_TE.dtype) / (num_tokens * top_k)
-    return num_experts * torch.sum(f_E * P_E)
+    return probs_TE.shape[1] * torch.sum(f_E * P_E)
 
 
 def global_balancing_loss(probs_TE: torch.Tensor, load_E: torch.Tensor,
                           sequence_sum: SequenceSum | None = None) -> torch.Tensor:
     """Switch's E · Σ_e f_e · P_e with f_e the share of `load_E` (routes per expert counted over more
     than these tokens: the global batch's so far) and P_e these tokens' mean probability of e
-    (summed over the ranks holding the other positions of their sequences, with `sequence_sum`)."""
-    num_tokens, num_experts = probs_TE.shape
+    (over the whole sequences, with `sequence_sum`)."""
     f_E = (load_E / load_E.sum().clamp_min(1)).to(probs_TE.dtype)
-    if sequence_sum is None:
-        return num_experts * torch.sum(f_E * probs_TE.mean(dim=0))
-    sums = sequence_sum(torch.cat([probs_TE.sum(0), probs_TE.new_full((1,), num_tokens)]))
-    return num_experts * torch.sum(f_E * sums[:num_experts] / sums[num_experts].detach())
+    return probs_TE.shape[1] * torch.sum(f_E * _mean_probs(probs_TE, sequence_sum)[0])
 
 
 def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int) -> torch.Tensor:

@@ -156,9 +156,10 @@ class Pipeline:
         routers = [r for m in self.modules for r in m.modules() if isinstance(r, Router) and r.expert_bias_E is not None]
         n_routed = [len(r.routed_E) for r in routers]
         # torch infers shapes on a schedule's first run and on the first after each train/eval
-        # switch, running every stage forward (and backward, recomputing it under activation
-        # checkpointing) once before the micro-batches: the global-batch loads counted there are
-        # forgotten when the first micro-batch starts.
+        # switch, running every stage once more, on placeholder inputs, before the micro-batches
+        # (forward, and backward too, which recomputes it under activation checkpointing). What
+        # those runs recorded is dropped: the global-batch loads when the first micro-batch
+        # starts (they enter its loss), the aux losses, CE and bias routes afterwards (they come first).
         forget = [m.register_forward_pre_hook(_forget_inference_loads()) for m in self.modules] \
             if train != self.last_train else []
         self.last_train = train
@@ -167,9 +168,6 @@ class Pipeline:
         finally:
             for handle in forget:
                 handle.remove()
-        # The schedule's first call (and its first after a train/eval switch) runs each stage once
-        # more, on placeholder inputs, to infer shapes; drop what those runs recorded (they come
-        # first), aux losses and the routes that aux-loss-free balancing counts alike.
         microbatches = self.schedule._n_microbatches
         _drop_leading(rec.aux, n_aux, microbatches * len(self.modules))
         _drop_leading(rec.ce, n_ce, microbatches if self.has_last else 0)
