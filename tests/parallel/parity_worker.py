@@ -207,7 +207,7 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
         loads = global_batch_loads(model, micros, dp) if global_batch else []
         for c, micro in enumerate(micros):
             if global_batch:
-                r, j = divmod(c, chunks // dp)
+                j = c % (chunks // dp)  # chunk r·J + j is dp rank r's j-th micro-batch
                 for layer, router in routers.items():
                     if j == 0:  # a dp rank's first micro-batch: its running count starts over
                         router.start_batch()
