@@ -10,7 +10,7 @@ convention: nccl-tests' "size", summed over every rank, 1-rank groups left out).
 
 Measured: one `torchrun --nproc-per-node 2` launch runs every layout in turn with the trainer's
 own pieces (`build_parallel_model`, AdamW, `train_step`, the per-step stop agreement) on a tiny
-MoE model. After one warm-up step (the pipeline's shape exchange, FSDP's lazy init) the next
+MoE model. After one warm-up step (FSDP's lazy init, the pipeline's first handshake) the next
 step runs under a `TorchDispatchMode` installed by this bench that records every operator of the
 `c10d` namespace (what `torch.distributed`'s process groups dispatch: FSDP2's gathers and
 scatters, the pipeline's sends, plain all_reduce/all_to_all) and of the functional-collective

@@ -194,8 +194,7 @@ def start_run_dashboards(cfg, metrics, device, bf16: bool, *, world_size: int = 
 
     peak = device_peak(device, bf16, cfg.train.peak_tflops)
     console(f"MFU is measured against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
-    meter = MfuMeter(cfg.model, cfg.train.seq_len, peak, device=device, world_size=world_size, warn=console,
-                     count_step=2 if cfg.parallel.pp > 1 else 1)
+    meter = MfuMeter(cfg.model, cfg.train.seq_len, peak, device=device, world_size=world_size, warn=console)
     dashboards = Dashboards(metrics.tensorboard, moe=cfg.model.moe.enabled)
     dashboards.write_static(accounting_markdown(config_accounting(cfg), peak.source))
     return meter, dashboards

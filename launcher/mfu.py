@@ -171,7 +171,7 @@ class MfuMeter:
     """Turns the trainer's log windows into throughput and MFU figures.
 
         meter = MfuMeter(cfg.model, seq_len, peak, device=device, world_size=world_size)
-        with meter.step(model, tokens):      # counts the FLOPs of one step (count_step)
+        with meter.step(model, tokens):      # counts the FLOPs of the first step
             result = train_step(...)
         record.update(meter.window(window_tokens, elapsed))
 
@@ -180,20 +180,19 @@ class MfuMeter:
     """
 
     def __init__(self, model_cfg: ModelConfig, seq_len: int, peak: Peak, *, device: torch.device | None = None,
-                 world_size: int = 1, warn: Callable[[str], None] = print, count_step: int = 1):
-        """`count_step`: which step() call to count; a pipelined model's first step also runs each
-        stage on placeholder inputs to infer shapes, work that no later step repeats."""
+                 world_size: int = 1, warn: Callable[[str], None] = print):
         self.analytic_per_token = float(flops_per_token(model_cfg, seq_len))
         self.peak, self.device, self.world_size, self.warn = peak, device, world_size, warn
         self.counted_per_token: float | None = None
         self._skip_tokens, self._skip_seconds = 0, 0.0
-        self._calls, self._count_step = 0, count_step
+        self._calls = 0
 
     @contextlib.contextmanager
     def step(self, model: torch.nn.Module, tokens: int):
-        """Wrap one training step of `tokens` tokens (all ranks); step `count_step` is counted."""
+        """Wrap one training step of `tokens` tokens (all ranks); the first is counted (pipeline
+        stages are given their shapes, so it runs the same work as every later step)."""
         self._calls += 1
-        if self._calls != self._count_step:
+        if self._calls != 1:
             yield
             return
         from moetron.launcher.flop_counter import ComponentFlopCounter

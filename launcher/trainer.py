@@ -142,9 +142,11 @@ def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
     """This rank's part of the model: built on the meta device, split and sharded for the layout,
     then materialized with the same initial weights as one process (see moetron.parallel)."""
     mesh = build_mesh(cfg.parallel, torch.distributed.get_world_size(), device.type)
-    return parallelize(build_model(cfg.model, device="meta"), mesh, cfg.parallel, seed=cfg.train.seed,
-                       device=device, cross_entropy=next_token_cross_entropy, compile=cfg.train.compile,
-                       activation_checkpoint=cfg.train.activation_checkpoint)
+    p, t = cfg.parallel, cfg.train
+    microbatch_BS = (t.batch_size // (p.dp * t.grad_accum * p.microbatches), t.seq_len)
+    return parallelize(build_model(cfg.model, device="meta"), mesh, p, seed=t.seed, device=device,
+                       cross_entropy=next_token_cross_entropy, compile=t.compile,
+                       activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS)
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,

@@ -163,7 +163,10 @@ class ParallelModel:
             m.eval()
         try:
             if self.pipeline is not None:
-                return self._pipeline_forward_backward(batch_BS1, 1, autocast, train=False).ce
+                # The stages take micro-batches of the shape they were built for: one pass per
+                # training micro-batch's worth of sequences (a validation batch is a global batch).
+                passes = batch_BS1.shape[0] // (self.pipeline.microbatch_BS[0] * self.cfg.microbatches)
+                return self._pipeline_forward_backward(batch_BS1, max(passes, 1), autocast, train=False).ce
             with self.loss_context(), autocast():
                 inputs_BS, targets_BS = self.local_window(batch_BS1)
                 return _plain(self.cross_entropy(self.module(inputs_BS).logits_BSV, targets_BS))
@@ -205,12 +208,18 @@ def _reset(record: StepRecord) -> None:
 
 
 def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
-                cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False) -> ParallelModel:
+                cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False,
+                microbatch_BS: tuple[int, int] | None = None) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
     under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
+    microbatch_BS: sequences and tokens of one pipeline micro-batch on this dp rank (pp > 1 only):
+    train.batch_size / (dp × grad_accum × microbatches) and train.seq_len.
     """
+    if cfg.pp > 1 and microbatch_BS is None:
+        raise ValueError("parallelize: a pipeline (pp > 1) needs microbatch_BS, the (sequences, tokens) "
+                         "of one micro-batch, to give its stages their shapes")
     if any(not p.is_meta for p in meta_model.parameters()):
         raise ValueError("parallelize expects a model built on the meta device (build_model(cfg, device='meta'))")
     full_meta = copy.deepcopy(meta_model)
@@ -245,6 +254,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         return full
 
     materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=expert_slice)
-    pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy) if cfg.pp > 1 else None
+    pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy, microbatch_BS) \
+        if cfg.pp > 1 else None
     return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
                          expert_tp_split=expert_tp_split)

@@ -8,6 +8,9 @@ Stage s owns layers [s·L/N, (s+1)·L/N); the first also owns the embedding, the
 norm, the head and the loss. Rank r holds stages r, r + pp, r + 2·pp, … (loop placement, what
 the interleaved schedules expect). A stage is a pruned deep copy of the meta-device Decoder, so
 its parameter names are the full model's names ("layers.5.attn.wq.weight" on every layout).
+Each stage is told the shapes of its micro-batch's input and output (`stage_io`), so torch never
+runs a stage on placeholders to infer them: step 1 and an evaluation do the work of any other
+step, and nothing a placeholder run would route (expert loads, biases) needs forgetting.
 
 MoE aux and z losses: every stage's routers produce them, but only the last stage has a loss.
 Each stage's output passes through `_AddAuxLossGrad`, an identity in forward whose backward also
@@ -33,10 +36,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
-from moetron.model.router import Router
 from moetron.model.transformer import Decoder, ModelOutput
 from moetron.parallel.config import ParallelConfig
-from moetron.parallel.global_balance import start_global_batch
 from moetron.parallel.mesh import ParallelMesh
 
 SCHEDULES = {
@@ -131,7 +132,7 @@ class Pipeline:
     num_stages: int
     schedule: object
     record: StepRecord
-    last_train: bool | None = None  # whether the last run trained (None: none ran yet)
+    microbatch_BS: tuple[int, int]  # sequences and tokens (S/cp) of one micro-batch on this rank
 
     @property
     def has_first(self) -> bool:
@@ -145,63 +146,59 @@ class Pipeline:
         """One pipeline pass over B sequences in M micro-batches; backward too when `train`.
 
         Every rank passes the same (inputs, targets); only the first and last stage use them.
-        Gradients accumulate `loss_scale × Σ_micro-batches (CE + aux)`.
+        Gradients accumulate `loss_scale × Σ_micro-batches (CE + aux)`. B × S must be the shape
+        the stages were built for: M micro-batches of `microbatch_BS`.
         """
-        rec = self.record
-        rec.loss_scale = loss_scale
+        b, s = self.microbatch_BS
+        want = (b * self.schedule._n_microbatches, s)
+        if tuple(inputs_BS.shape) != want:
+            raise ValueError(f"pipeline step: got a batch of shape {tuple(inputs_BS.shape)}, but the stages "
+                             f"were built for {want} (micro-batches × sequences, tokens on this rank)")
+        self.record.loss_scale = loss_scale
         args = (inputs_BS,) if self.has_first else ()
         kwargs = {"target": targets_BS, "losses": []} if self.has_last else {}
-        run = self.schedule.step if train else self.schedule.eval
-        n_aux, n_ce = len(rec.aux), len(rec.ce)
-        routers = [r for m in self.modules for r in m.modules() if isinstance(r, Router) and r.expert_bias_E is not None]
-        n_routed = [len(r.routed_E) for r in routers]
-        # torch infers shapes on a schedule's first run and on the first after each train/eval
-        # switch, running every stage once more, on placeholder inputs, before the micro-batches
-        # (forward, and backward too, which recomputes it under activation checkpointing). What
-        # those runs recorded is dropped: the global-batch loads when the first micro-batch
-        # starts (they enter its loss), the aux losses, CE and bias routes afterwards (they come first).
-        forget = [m.register_forward_pre_hook(_forget_inference_loads()) for m in self.modules] \
-            if train != self.last_train else []
-        self.last_train = train
-        try:
-            run(*args, **kwargs)
-        finally:
-            for handle in forget:
-                handle.remove()
-        microbatches = self.schedule._n_microbatches
-        _drop_leading(rec.aux, n_aux, microbatches * len(self.modules))
-        _drop_leading(rec.ce, n_ce, microbatches if self.has_last else 0)
-        for router, start in zip(routers, n_routed):
-            _drop_leading(router.routed_E, start, microbatches if train else 0)
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
 
 
-def _forget_inference_loads():
-    calls = [0]
+def stage_io(module: Decoder, stage: int, num_stages: int, microbatch_BS: tuple[int, int],
+             cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Example input and output of one micro-batch (b sequences of S/cp tokens on this rank) of
+    stage `stage`, as meta tensors, so the schedule never runs a stage on placeholders to learn them.
 
-    def hook(module, args):
-        calls[0] += 1
-        if calls[0] == 2:  # the first micro-batch, after the shape-inference run
-            start_global_batch([module])
+    In: token ids (b, S/cp) on the first stage, else hidden states (b, S/cp, D), split over S by
+    tp under sequence parallelism. Out: the same hidden states, or on the last stage its local
+    logits (b, S/cp, V/tp), which are never sent (torch only counts them).
+    """
+    b, s_local = microbatch_BS
+    s_hidden = s_local // (cfg.tp if cfg.sequence_parallel else 1)
+    dtype = next(module.parameters()).dtype  # the residual stream stays in the weights' dtype
+    d, v = module.cfg.d_model, module.cfg.vocab_size // cfg.tp
 
-    return hook
+    def hidden():
+        return torch.empty(b, s_hidden, d, dtype=dtype, device="meta", requires_grad=True)
 
-
-def _drop_leading(items: list, start: int, expected: int) -> None:
-    extra = len(items) - start - expected
-    if extra > 0:
-        del items[start : start + extra]
+    inputs = torch.empty(b, s_local, dtype=torch.long, device="meta") if stage == 0 else hidden()
+    outputs = torch.empty(b, s_local, v, dtype=dtype, device="meta", requires_grad=True) \
+        if stage == num_stages - 1 else hidden()
+    return inputs, outputs
 
 
 def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: ParallelMesh, cfg: ParallelConfig,
-                   device: torch.device, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Pipeline:
+                   device: torch.device, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   microbatch_BS: tuple[int, int]) -> Pipeline:
     """Wrap materialized stage modules into PipelineStages and build the configured schedule.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss of one micro-batch.
+    microbatch_BS: sequences and tokens (before context parallelism) of one micro-batch; every
+    stage is told its input and output shapes, so no run is spent inferring them.
     """
     num_stages = cfg.pp * cfg.vpp
+    local_BS = (microbatch_BS[0], microbatch_BS[1] // cfg.cp)
     stages = []
     for sid, module in stage_modules.items():
-        stages.append(PipelineStage(module, sid, num_stages, device, group=mesh.group("pp")))
+        inputs, outputs = stage_io(module, sid, num_stages, local_BS, cfg)
+        stages.append(PipelineStage(module, sid, num_stages, device, input_args=inputs, output_args=outputs,
+                                    group=mesh.group("pp")))
 
     def loss_fn(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
         ce = cross_entropy(logits_BSV, targets_BS)
@@ -213,4 +210,4 @@ def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: 
     # loss_fn and to the aux gradient, so both are scaled once and identically.
     first = stages if cfg.schedule in MULTI_STAGE else stages[0]
     schedule = cls(first, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record)
+    return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record, local_BS)

@@ -257,14 +257,30 @@ def run_case(name: str) -> dict:
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"),
-                     compile=name in COMPILED)
+                     compile=name in COMPILED, microbatch_BS=(BATCH // (pcfg.dp * grad_accum * mb), SEQ))
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
     counts_ok = True
     dp_rank = mesh.rank("dp")
+    # Pipelines: each stage runs once per micro-batch, never on placeholders to learn shapes, on
+    # the first step and after every switch between evaluation and training (one per step here).
+    forwards = [0]
+    for m in pm.modules if pcfg.pp > 1 else ():
+        m.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    forwards_ok, eval_err = True, 0.0
     for step, batch in enumerate(batches()):
+        if pcfg.pp > 1:
+            # Before the step's update its validation CE is the reference's training CE (no
+            # dropout, no jitter); a validation batch holds grad_accum pipeline passes.
+            eval_ce, _ = pm.global_losses(pm.evaluate(pm.local_batch(batch), contextlib.nullcontext),
+                                          torch.zeros(()))
+            eval_err = max(eval_err, abs(eval_ce - ref["ce"][step]) / abs(ref["ce"][step]))
+            forwards_ok &= forwards[0] == len(pm.modules) * grad_accum * mb
+            forwards[0] = 0
         losses = pm.forward_backward(pm.local_batch(batch), grad_accum=grad_accum, autocast=contextlib.nullcontext)
+        forwards_ok &= forwards[0] == len(pm.modules) * grad_accum * mb
+        forwards[0] = 0
         norm = float(pm.clip_grad_norm_(float("inf")))
         ce, aux = pm.global_losses(losses.ce, losses.aux)
         worst["ce"] = max(worst["ce"], abs(ce - ref["ce"][step]) / abs(ref["ce"][step]))
@@ -297,14 +313,15 @@ def run_case(name: str) -> dict:
         bias_err = max(bias_err, float((router.expert_bias_E - ref["bias"][layer]).abs().max()))
     if model_cfg.moe.bias_update_rate > 0 and not ref["bias"]:
         bias_err = float("inf")  # the reference has no biased router: the case tests nothing
-    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err, float(not state_ok)],
-                     dtype=torch.float64)
+    t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err, float(not state_ok),
+                      eval_err, float(not forwards_ok)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ce_err, aux_err, grad_err, counts_bad, bias_err, state_bad = t.tolist()
+    ce_err, aux_err, grad_err, counts_bad, bias_err, state_bad, eval_err, forwards_bad = t.tolist()
     ok = (ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
-          and bias_err <= BIAS_TOL and not state_bad)
+          and bias_err <= BIAS_TOL and not state_bad and eval_err <= LOSS_RTOL and not forwards_bad)
     return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "grad_rel": grad_err,
-            "counts_equal": not counts_bad, "bias_abs": bias_err, "optimizer_state_sharded": not state_bad}
+            "counts_equal": not counts_bad, "bias_abs": bias_err, "optimizer_state_sharded": not state_bad,
+            "eval_ce_rel": eval_err, "one_stage_forward_per_micro_batch": not forwards_bad}
 
 
 def main(names: list[str]) -> int:

@@ -78,7 +78,8 @@ class Run:
         self.pcfg = ParallelConfig(**layout)
         mesh = build_mesh(self.pcfg, dist.get_world_size())
         self.pm = parallelize(build_model(MODEL, device="meta"), mesh, self.pcfg, seed=SEED,
-                              device=torch.device("cpu"), cross_entropy=cross_entropy)
+                              device=torch.device("cpu"), cross_entropy=cross_entropy,
+                              microbatch_BS=(BATCH // (self.pcfg.dp * self.pcfg.microbatches), SEQ))
         self.opt = optimizer_for(self.pm, TRAIN)
         self.shards = self.pm.expert_shards()
 
