@@ -40,9 +40,12 @@ def grouped_mm_wgrad_reference(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_
 
 def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
     """torch._grouped_mm takes fp32/bf16 operands whose non-unit strides and base addresses are
-    multiples of 16 bytes; anything else goes through the reference loop."""
+    multiples of 16 bytes, none of them 0 (an expanded gradient, as `y.sum().backward()` sends,
+    is refused: "Invalid strides/sizes"); anything else goes through the reference loop."""
     for t in tensors:
         if t.dtype not in (torch.float32, torch.bfloat16) or t.dtype != tensors[0].dtype:
+            return False
+        if 0 in t.stride():
             return False
         if t.data_ptr() % 16 or any(s != 1 and (s * t.element_size()) % 16 for s in t.stride()):
             return False

@@ -96,6 +96,19 @@ def test_torch_backend_matches_reference(dtype, aligned, close):
     _check_against_reference(x_TK, w_EKN, offsets_E, "torch", close, f"torch {dtype}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expanded_gradient(dtype, close):
+    """`grouped_mm(...).sum().backward()` hands the backward a gradient of stride 0, which
+    torch._grouped_mm refuses; it must still give the reference's gradients."""
+    x_TK, w_EKN, offsets_E = _problem(4, 16, dtype, torch.device("cpu"))
+    x_TK, w_EKN = x_TK[:, :32].contiguous().requires_grad_(), w_EKN[:, :32, :48].contiguous().requires_grad_()
+    grouped_mm(x_TK, w_EKN, offsets_E).sum().backward()
+    x64, w64 = x_TK.detach().double().requires_grad_(), w_EKN.detach().double().requires_grad_()
+    grouped_mm_reference(x64, w64, offsets_E).sum().backward()
+    close(x_TK.grad, x64.grad, dtype, "dx")
+    close(w_EKN.grad, w64.grad, dtype, "dw")
+
+
 def test_float64_gradcheck_twice():
     """The model's gradient checks run in float64 on CPU, and the backward is itself built from
     the two ops, so second derivatives must be right too."""
