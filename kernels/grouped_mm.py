@@ -56,6 +56,32 @@ def _fits_torch_grouped_mm(*tensors: torch.Tensor) -> bool:
 CPU_ROW_BLOCK = 128
 
 
+# Group sizes the CPU bf16/fp16 path is fed in multiples of, when groups average at least
+# CPU_GROUP_MIN_ROWS rows (padding then costs ≤ ~3% more rows; see group_row_multiple).
+CPU_GROUP_ROWS, CPU_GROUP_MIN_ROWS = 16, 256
+
+
+def group_row_multiple(device: torch.device, dtype: torch.dtype, rows_per_group: float,
+                       backend: str | None = None) -> int:
+    """Rows each group's size is best rounded up to (by the dispatcher, with rows that count for
+    nothing) for the multiply that will run on `device` in `dtype`, groups averaging
+    `rows_per_group` rows.
+
+    CPU bf16/fp16: torch._grouped_mm multiplies group by group, and oneDNN builds (JIT-compiles)
+    a kernel for every new shape: a 512-row bf16 product took ~0.35 ms cached and ~0.6 ms more
+    when its row count was new, so ragged sizes that change every step spend much of their time
+    building kernels. Multiples of CPU_GROUP_ROWS keep a few shapes per projection, cached after
+    the first steps, for ~8 padded rows per group — worth it only for large groups (a training
+    step of the bench's model, 8 experts of ~512 rows, bf16: 544 → 519 ms; 64 experts of ~64
+    rows: 875 → 941 ms, so small groups stay exact). 1 (exact groups) everywhere else: fp32 goes
+    to the BLAS, which keeps no per-shape state, and Triton masks ragged tiles.
+    """
+    if resolve_backend(backend, device) == "torch" and device.type == "cpu" \
+            and dtype in (torch.bfloat16, torch.float16) and rows_per_group >= CPU_GROUP_MIN_ROWS:
+        return CPU_GROUP_ROWS
+    return 1
+
+
 def _cpu_row_block(dtype: torch.dtype) -> int:
     """bf16/fp16 matmuls go to oneDNN, which builds and caches a kernel per new shape: ragged
     group sizes make new shapes every step, so time goes to setup and memory grows by megabytes

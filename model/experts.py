@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moetron.kernels.grouped_mm import grouped_mm
+from moetron.kernels.grouped_mm import group_row_multiple, grouped_mm
 from moetron.model.layers import activate
 
 
@@ -21,6 +21,8 @@ class GroupedExperts(nn.Module):
         self.activation, self.impl = activation, impl
         # Which grouped-GEMM implementation runs (see moetron.kernels.backend); None: automatic.
         self.kernel_backend: str | None = None
+        # Rows the dispatcher pads each expert's group to; None: what the multiply prefers.
+        self.row_multiple: int | None = None
         self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
@@ -39,6 +41,18 @@ class GroupedExperts(nn.Module):
         gate_AF = mm(x_AD, weights[0], offsets_E)
         up_AF = mm(x_AD, weights[1], offsets_E) if self.w_up_EDF is not None else None
         return mm(activate(self.activation, gate_AF, up_AF), weights[-1], offsets_E)
+
+    def group_row_multiple(self, x_TD: torch.Tensor, rows_per_group: float) -> int:
+        """Rows each expert's group is best padded to for the multiply that will run on x_TD (its
+        device, its dtype under autocast) with groups of `rows_per_group` rows on average (see
+        kernels.grouped_mm.group_row_multiple). `row_multiple` set on the module overrides it."""
+        if self.row_multiple is not None:
+            return self.row_multiple
+        if self.impl != "grouped":
+            return 1
+        device = x_TD.device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else x_TD.dtype
+        return group_row_multiple(device, dtype, rows_per_group, self.kernel_backend)
 
     def init_weights(self, std: float, out_std: float) -> None:
         for w, s in ((self.w_gate_EDF, std), (self.w_up_EDF, std), (self.w_down_EFD, out_std)):

@@ -32,8 +32,14 @@ class DispatchState:
 class LocalDispatcher:
     """Permute the kept routes so each expert's tokens are contiguous; no communication."""
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
-        """→ x_AD sorted by expert, offsets_E (int32 end row per expert), state for combine."""
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing,
+                 row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+        """→ x_AD sorted by expert, offsets_E (int32 end row per expert), state for combine.
+
+        row_multiple > 1 rounds each expert's group up to a multiple of that many rows (the
+        grouped GEMM's preferred sizes, `group_row_multiple`): padding rows copy token 0 with
+        weight 0, so they add nothing to the output and get no gradient.
+        """
         num_experts = routing.probs_TE.shape[1]
         T, K = routing.expert_TK.shape
         kept_A = routing.kept_TK.reshape(-1)
@@ -41,8 +47,18 @@ class LocalDispatcher:
         token_A = torch.arange(T, device=x_TD.device).repeat_interleave(K)[kept_A]
         weight_A = routing.weight_TK.reshape(-1)[kept_A]
         order_A = torch.argsort(expert_A, stable=True)
-        offsets_E = torch.cumsum(torch.bincount(expert_A, minlength=num_experts), 0).to(torch.int32)
+        counts_E = torch.bincount(expert_A, minlength=num_experts)
         token_A, weight_A = token_A[order_A], weight_A[order_A]
+        if row_multiple > 1:
+            padded_E = (counts_E + row_multiple - 1) // row_multiple * row_multiple
+            # Route i (in expert order) of expert e moves by the padding of the experts before e.
+            shift_E = torch.cumsum(padded_E - counts_E, 0) - (padded_E - counts_E)
+            slot_A = torch.arange(len(order_A), device=x_TD.device) + shift_E[expert_A[order_A]]
+            rows = int(padded_E.sum())  # NOTE: host-device sync for the padded row count
+            token_A = token_A.new_zeros(rows).index_put((slot_A,), token_A)
+            weight_A = weight_A.new_zeros(rows).index_put((slot_A,), weight_A)
+            counts_E = padded_E
+        offsets_E = torch.cumsum(counts_E, 0).to(torch.int32)
         # index_select, not x_TD[token_A]: its backward is index_add_, ~10× faster on CPU than the
         # accumulating index_put_ that advanced indexing differentiates into.
         return x_TD.index_select(0, token_A), offsets_E, DispatchState(token_A, weight_A, T)
@@ -89,7 +105,12 @@ class MoELayer(nn.Module):
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD, num_sequences=x_BSD.shape[0])
-        x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
+        if isinstance(self.dispatcher, LocalDispatcher):
+            rows = self.experts.group_row_multiple(x_TD, routing.expert_TK.numel() / routing.probs_TE.shape[1])
+            x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing, row_multiple=rows)
+        else:
+            # Expert parallelism: the received rows' layout is fixed by the exchange.
+            x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
         y_AD = self.experts(x_AD, offsets_E)
         y_TD = self.dispatcher.combine(y_AD, state).to(x_BSD.dtype)
         if self.shared is not None:

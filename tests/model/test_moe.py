@@ -134,6 +134,51 @@ def test_grouped_and_loop_experts_agree(top_k, capacity_factor):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype,capacity_factor", [(torch.float32, None), (torch.float32, 0.75), (torch.bfloat16, None)])
+def test_padded_expert_groups_change_nothing(dtype, capacity_factor):
+    """Groups padded to a multiple of 16 rows (what CPU bf16 multiplies get) against exact groups:
+    the same output and the same gradient of the input and of every parameter (fp32 to 1e-6;
+    bf16 within its rounding), with dropped routes and an expert left empty."""
+    outs, layouts = {}, {}
+    for rows in (1, 16):
+        cfg = _config(top_k=2, capacity_factor=capacity_factor, d_model=32, d_expert=48, num_experts=8,
+                      shared_expert_d_ff=16)
+        layer = _layer(cfg, seed=3, dtype=dtype)
+        layer.init_weights(std=0.2, out_std=0.1)
+        with torch.no_grad():
+            layer.router.gate.weight[0] = -1.0  # positive inputs never pick expert 0 (an empty group)
+        layer.experts.row_multiple = rows
+        x_BSD = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(4)).abs().to(dtype).requires_grad_()
+        routing = layer.router(x_BSD.reshape(-1, 32), num_sequences=2)
+        layouts[rows] = layer.dispatcher.dispatch(x_BSD.reshape(-1, 32), routing, row_multiple=rows)
+        y_BSD, stats = layer(x_BSD)
+        dy_BSD = torch.randn(y_BSD.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+        (y_BSD * dy_BSD).sum().add(stats.aux_loss + stats.z_loss).backward()
+        outs[rows] = [y_BSD.detach(), x_BSD.grad] + [p.grad for p in layer.parameters()]
+    _, offsets_E, state = layouts[16]
+    sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
+    exact_E = torch.diff(layouts[1][1], prepend=offsets_E.new_zeros(1))
+    assert sizes_E[0] == 0 and torch.all(sizes_E % 16 == 0) and torch.all(sizes_E - exact_E < 16)
+    assert int((state.weight_A == 0).sum()) >= int((sizes_E - exact_E).sum()) > 0
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, b in zip(outs[16], outs[1]):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_group_row_multiple_pads_only_large_cpu_bf16_groups():
+    from moetron.kernels.grouped_mm import CPU_GROUP_MIN_ROWS, CPU_GROUP_ROWS, group_row_multiple
+
+    cpu = torch.device("cpu")
+    assert group_row_multiple(cpu, torch.bfloat16, CPU_GROUP_MIN_ROWS) == CPU_GROUP_ROWS
+    assert group_row_multiple(cpu, torch.bfloat16, CPU_GROUP_MIN_ROWS - 1) == 1
+    assert group_row_multiple(cpu, torch.float32, 4096) == 1
+    layer = _layer(_config(d_model=8, num_experts=2), seed=0)
+    x_TD = torch.randn(CPU_GROUP_MIN_ROWS, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert layer.experts.group_row_multiple(x_TD, CPU_GROUP_MIN_ROWS) == CPU_GROUP_ROWS
+    assert layer.experts.group_row_multiple(x_TD, CPU_GROUP_MIN_ROWS) == 1
+
+
 def test_dropped_tokens_get_exactly_zero():
     """A token whose every route is over capacity gets an all-zero MoE output (it rides the
     residual), and only those tokens do."""
