@@ -279,7 +279,7 @@ def run_case(name: str) -> dict:
             forwards_ok &= forwards[0] == len(pm.modules) * grad_accum * mb
             forwards[0] = 0
         losses = pm.forward_backward(pm.local_batch(batch), grad_accum=grad_accum, autocast=contextlib.nullcontext)
-        forwards_ok &= forwards[0] == len(pm.modules) * grad_accum * mb
+        forwards_ok &= pcfg.pp == 1 or forwards[0] == len(pm.modules) * grad_accum * mb
         forwards[0] = 0
         norm = float(pm.clip_grad_norm_(float("inf")))
         ce, aux = pm.global_losses(losses.ce, losses.aux)
