@@ -243,6 +243,11 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         if compile:
             apply_compile(part, tensor_parallel=cfg.tp > 1)
         apply_data_parallel(part, mesh, cfg)
+    if compile:
+        # The loss too (torchtitan's compile component "loss"): the logits' fp32 upcast,
+        # log-softmax and NLL fuse (bf16 logits of 4 × 256 tokens × 32,000 words, forward and
+        # backward on 2 CPU cores: 256 ms eager, 53 ms compiled).
+        cross_entropy = torch.compile(cross_entropy)
     ep, ep_rank, tp, tp_rank = mesh.size("ep"), mesh.rank("ep"), mesh.size("tp"), mesh.rank("tp")
 
     def expert_slice(name: str, full: torch.Tensor) -> torch.Tensor:
