@@ -37,7 +37,7 @@ LAUNCHES = {
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 # train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch
-# loss: one 2-rank launch, slow (each rank compiles its blocks on CPU, ~100 s in all).
+# loss: two 2-rank launches, slow (each rank compiles its blocks on CPU, ~50 s each).
 COMPILED = ["tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_compiled"]
 
 
@@ -64,7 +64,10 @@ def test_layouts_match_one_process(world):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_compiled_blocks_train_like_one_eager_process():
-    results = {r["case"]: r for r in launch(2, COMPILED)}
-    assert set(results) == set(COMPILED), f"missing: {set(COMPILED) - set(results)}"
-    bad = [r for r in results.values() if not r["ok"]]
-    assert not bad, json.dumps(bad, indent=1)
+    """Two launches: the second reads what the first left in torch's compile caches (a compiled
+    loss under loss_parallel once came out right on a cold cache and wrong on a warm one)."""
+    for launch_no in (1, 2):
+        results = {r["case"]: r for r in launch(2, COMPILED)}
+        assert set(results) == set(COMPILED), f"launch {launch_no}, missing: {set(COMPILED) - set(results)}"
+        bad = [r for r in results.values() if not r["ok"]]
+        assert not bad, f"launch {launch_no}: " + json.dumps(bad, indent=1)
