@@ -185,16 +185,16 @@ class MfuMeter:
         self.peak, self.device, self.world_size, self.warn = peak, device, world_size, warn
         self.counted_per_token: float | None = None
         self._skip_tokens, self._skip_seconds = 0, 0.0
-        self._calls = 0
+        self._counted = False
 
     @contextlib.contextmanager
     def step(self, model: torch.nn.Module, tokens: int):
         """Wrap one training step of `tokens` tokens (all ranks); the first is counted (pipeline
         stages are given their shapes, so it runs the same work as every later step)."""
-        self._calls += 1
-        if self._calls != 1:
+        if self._counted:
             yield
             return
+        self._counted = True
         from moetron.launcher.flop_counter import ComponentFlopCounter
 
         t0 = time.perf_counter()

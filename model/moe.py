@@ -51,8 +51,9 @@ class LocalDispatcher:
         token_A, weight_A = token_A[order_A], weight_A[order_A]
         if row_multiple > 1:
             padded_E = (counts_E + row_multiple - 1) // row_multiple * row_multiple
+            pad_E = padded_E - counts_E
             # Route i (in expert order) of expert e moves by the padding of the experts before e.
-            shift_E = torch.cumsum(padded_E - counts_E, 0) - (padded_E - counts_E)
+            shift_E = torch.cumsum(pad_E, 0) - pad_E
             slot_A = torch.arange(len(order_A), device=x_TD.device) + shift_E[expert_A[order_A]]
             rows = int(padded_E.sum())  # NOTE: host-device sync for the padded row count
             token_A = token_A.new_zeros(rows).index_put((slot_A,), token_A)

@@ -268,6 +268,11 @@ def run_case(name: str) -> dict:
     forwards = [0]
     for m in pm.modules if pcfg.pp > 1 else ():
         m.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def one_forward_per_micro_batch() -> bool:
+        ran, forwards[0] = forwards[0], 0
+        return pcfg.pp == 1 or ran == len(pm.modules) * grad_accum * mb
+
     forwards_ok, eval_err = True, 0.0
     for step, batch in enumerate(batches()):
         if pcfg.pp > 1:
@@ -276,11 +281,9 @@ def run_case(name: str) -> dict:
             eval_ce, _ = pm.global_losses(pm.evaluate(pm.local_batch(batch), contextlib.nullcontext),
                                           torch.zeros(()))
             eval_err = max(eval_err, abs(eval_ce - ref["ce"][step]) / abs(ref["ce"][step]))
-            forwards_ok &= forwards[0] == len(pm.modules) * grad_accum * mb
-            forwards[0] = 0
+            forwards_ok &= one_forward_per_micro_batch()
         losses = pm.forward_backward(pm.local_batch(batch), grad_accum=grad_accum, autocast=contextlib.nullcontext)
-        forwards_ok &= pcfg.pp == 1 or forwards[0] == len(pm.modules) * grad_accum * mb
-        forwards[0] = 0
+        forwards_ok &= one_forward_per_micro_batch()
         norm = float(pm.clip_grad_norm_(float("inf")))
         ce, aux = pm.global_losses(losses.ce, losses.aux)
         worst["ce"] = max(worst["ce"], abs(ce - ref["ce"][step]) / abs(ref["ce"][step]))

@@ -37,7 +37,8 @@ LAUNCHES = {
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 # train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch
-# loss: two 2-rank launches, slow (each rank compiles its blocks on CPU, ~50 s each).
+# loss: two 2-rank launches, slow (each rank compiles its blocks on CPU: ~110 s on a cold
+# compile cache, ~50 s on the warm one the first launch leaves).
 COMPILED = ["tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_compiled"]
 
 
