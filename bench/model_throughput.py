@@ -9,6 +9,7 @@ A step is forward, cross-entropy (+ the router's aux loss), backward and AdamW.
     python bench/model_throughput.py --quick         # a smoke run on a small shape
     python bench/model_throughput.py --precision bf16 --steps 30
     python bench/model_throughput.py --ac             # also moetron's MoE with full and selective checkpointing
+    python bench/model_throughput.py --compile        # also moetron's models compiled (train.compile=true)
     python bench/model_throughput.py --expert-sweep 8 16 32 64 --no-transformers
 
 moetron's models step with the optimizer `moetron train` builds (fused AdamW where the device has
@@ -16,6 +17,9 @@ it); transformers' with torch's default AdamW. `--ac` reports, beside tokens/s, 
 forward leaves allocated for backward (glibc's in-use bytes after minus before). `--expert-sweep`
 times moetron's MoE at each expert count with expert width and top-k fixed (active parameters
 fixed, total growing): forward + backward alone and the full step with AdamW, relative to the first.
+
+`--compile` adds copies of moetron's two models compiled as `train.compile=true` compiles them
+(block by block, and the cross-entropy), timed in the same rounds after their compilation.
 
 After the timed rounds one more step of each model runs under the profiler, and its operators'
 self time is split into expert GEMMs (grouped GEMMs and what they call), attention (SDPA or the
@@ -49,6 +53,7 @@ from moetron.launcher.optim import build_optimizer
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
+from moetron.parallel.parallelize import apply_compile
 
 
 def moetron_configs(args) -> dict[str, ModelConfig]:
@@ -74,10 +79,23 @@ def transformers_mixtral(args):
     return MixtralForCausalLM(cfg)
 
 
-def moetron_loss(model, ids_BS):
+def next_token_ce(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
+
+
+def moetron_loss(model, ids_BS, cross_entropy=next_token_ce):
     out = model(ids_BS)
-    logits = out.logits_BSV[:, :-1].flatten(0, 1)
-    return F.cross_entropy(logits.float(), ids_BS[:, 1:].flatten()) + out.aux_loss
+    return cross_entropy(out.logits_BSV, ids_BS) + out.aux_loss
+
+
+def compiled_twin(model: torch.nn.Module, cfg: ModelConfig):
+    """A copy of `model` compiled as `train.compile=true` compiles (block by block, and the
+    loss), with its loss function."""
+    twin = build_model(cfg)
+    twin.load_state_dict(model.state_dict())
+    apply_compile(twin)
+    cross_entropy = torch.compile(next_token_ce)
+    return twin, lambda m, ids_BS: moetron_loss(m, ids_BS, cross_entropy)
 
 
 def transformers_loss(model, ids_BS):
@@ -209,6 +227,8 @@ def parse_args(argv=None):
     p.add_argument("--no-transformers", action="store_true", help="time the moetron models only")
     p.add_argument("--quick", action="store_true", help="smoke run: batch 2 × 64, 3 steps, 1 warmup")
     p.add_argument("--ac", action="store_true", help="add moetron's MoE with full and selective checkpointing")
+    p.add_argument("--compile", action="store_true",
+                   help="add moetron's MoE and dense models compiled as train.compile=true compiles them")
     p.add_argument("--expert-sweep", type=int, nargs="+", metavar="E",
                    help="instead: time moetron's MoE at these expert counts (fp32), expert width fixed")
     args = p.parse_args(argv)
@@ -246,6 +266,9 @@ def main(argv=None) -> None:
             models[f"moetron-moe-ac-{mode}"].load_state_dict(models["moetron-moe"].state_dict())
             apply_activation_checkpointing(models[f"moetron-moe-ac-{mode}"], mode)
     loss_fns = {name: moetron_loss for name in models}
+    if args.compile:
+        for name, cfg in moetron_configs(args).items():
+            models[f"{name}-compiled"], loss_fns[f"{name}-compiled"] = compiled_twin(models[name], cfg)
     if not args.no_transformers:
         models["transformers-mixtral"] = transformers_mixtral(args)
         loss_fns["transformers-mixtral"] = transformers_loss
@@ -274,6 +297,13 @@ def main(argv=None) -> None:
         ratios[prec] = {"moe/dense": row["moetron-moe"] / row["moetron-dense"]}
         if "transformers-mixtral" in row:
             ratios[prec]["moetron/transformers"] = row["moetron-moe"] / row["transformers-mixtral"]
+        if args.compile:
+            ratios[prec]["compiled/eager moe"] = row["moetron-moe-compiled"] / row["moetron-moe"]
+            ratios[prec]["compiled/eager dense"] = row["moetron-dense-compiled"] / row["moetron-dense"]
+            ratios[prec]["moe/dense compiled"] = row["moetron-moe-compiled"] / row["moetron-dense-compiled"]
+            if "transformers-mixtral" in row:
+                ratios[prec]["moetron compiled/transformers"] = (row["moetron-moe-compiled"]
+                                                                 / row["transformers-mixtral"])
 
     shape = (f"d={args.d_model} L={args.layers} heads={args.heads}/{args.kv_heads} "
              f"experts={args.experts}x{args.d_expert} top-{args.top_k} batch={args.batch}x{args.seq_len}")

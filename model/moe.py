@@ -17,7 +17,7 @@ from torch import nn
 from moetron.model.config import ModelConfig
 from moetron.model.experts import GroupedExperts
 from moetron.model.layers import FeedForward
-from moetron.model.router import Router, Routing
+from moetron.model.router import Router, Routing, routes_per_expert
 
 
 @dataclass
@@ -42,12 +42,16 @@ class LocalDispatcher:
         """
         num_experts = routing.probs_TE.shape[1]
         T, K = routing.expert_TK.shape
-        kept_A = routing.kept_TK.reshape(-1)
-        expert_A = routing.expert_TK.reshape(-1)[kept_A]
-        token_A = torch.arange(T, device=x_TD.device).repeat_interleave(K)[kept_A]
-        weight_A = routing.weight_TK.reshape(-1)[kept_A]
+        expert_A = routing.expert_TK.reshape(-1)
+        token_A = torch.arange(T * K, device=x_TD.device) // K
+        weight_A = routing.weight_TK.reshape(-1)
+        if not routing.dropless:
+            # Dropped routes leave; the row count then depends on the data (under torch.compile,
+            # a graph break; on a GPU, a host-device sync). Dropless routing keeps static shapes.
+            kept_A = routing.kept_TK.reshape(-1).nonzero().squeeze(1)
+            expert_A, token_A, weight_A = expert_A[kept_A], token_A[kept_A], weight_A[kept_A]
         order_A = torch.argsort(expert_A, stable=True)
-        counts_E = torch.bincount(expert_A, minlength=num_experts)
+        counts_E = routes_per_expert(expert_A, num_experts)
         token_A, weight_A = token_A[order_A], weight_A[order_A]
         if row_multiple > 1:
             padded_E = (counts_E + row_multiple - 1) // row_multiple * row_multiple
@@ -55,7 +59,10 @@ class LocalDispatcher:
             # Route i (in expert order) of expert e moves by the padding of the experts before e.
             shift_E = torch.cumsum(pad_E, 0) - pad_E
             slot_A = torch.arange(len(order_A), device=x_TD.device) + shift_E[expert_A[order_A]]
-            rows = int(padded_E.sum())  # NOTE: host-device sync for the padded row count
+            # NOTE: host-device sync for the padded row count (CPU only: see group_row_multiple).
+            # A routing-independent bound instead (the last group taking the slack) measured no
+            # faster compiled and 1% slower eager (bf16 bench step, 10-14 interleaved rounds).
+            rows = int(padded_E.sum())
             token_A = token_A.new_zeros(rows).index_put((slot_A,), token_A)
             weight_A = weight_A.new_zeros(rows).index_put((slot_A,), weight_A)
             counts_E = padded_E

@@ -58,6 +58,7 @@ class Routing:
     counts_E: torch.Tensor  # routes each expert received, before capacity drops
     dropped_fraction: torch.Tensor  # scalar: dropped routes / all routes
     entropy: torch.Tensor  # scalar: mean router entropy per token, in nats
+    dropless: bool = False  # no capacity: every route is kept (kept_TK all true), known without reading it
 
 
 def expert_capacity(num_tokens: int, cfg: MoEConfig) -> int | None:
@@ -67,12 +68,20 @@ def expert_capacity(num_tokens: int, cfg: MoEConfig) -> int | None:
     return max(math.ceil(cfg.top_k * num_tokens / cfg.num_experts * cfg.capacity_factor), cfg.min_capacity)
 
 
+def routes_per_expert(expert_A: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routes each expert received → (E,) int64. Unlike `bincount`, whose length depends on the
+    values, the shape is known in advance, so torch.compile traces it without a graph break."""
+    expert_A = expert_A.reshape(-1)
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=expert_A.device)
+    return counts_E.index_add_(0, expert_A, torch.ones_like(expert_A))
+
+
 def rank_within_expert(expert_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Place of each route in its expert's queue: choice-major, then token order → (T, K)."""
     expert_A = expert_TK.t().reshape(-1)  # all first choices, then all second choices, …
     order_A = torch.argsort(expert_A, stable=True)
-    starts_E = torch.cumsum(torch.bincount(expert_A, minlength=num_experts), 0) - torch.bincount(
-        expert_A, minlength=num_experts)
+    counts_E = routes_per_expert(expert_A, num_experts)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_sorted_A = torch.arange(expert_A.numel(), device=expert_A.device) - starts_E[expert_A[order_A]]
     rank_A = torch.empty_like(rank_sorted_A).scatter_(0, order_A, rank_sorted_A)
     return rank_A.view(expert_TK.shape[1], -1).t()
@@ -211,14 +220,16 @@ class Router(nn.Module):
         expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
         top_scores_TK = scores_TE.gather(1, expert_TK)
 
-        counts_E = torch.bincount(expert_TK.reshape(-1), minlength=cfg.num_experts)
-        # Not when activation checkpointing recomputes this forward inside backward (a graph task
-        # is then running): the routes were counted when the forward first ran.
-        recomputed = torch._C._current_graph_task_id() != -1
-        if self.training and self.expert_bias_E is not None and not x_TD.is_meta and not recomputed:
-            self.routed_E.append(counts_E.detach())
+        counts_E = routes_per_expert(expert_TK, cfg.num_experts)
+        count_bias = self.training and self.expert_bias_E is not None and not x_TD.is_meta
         global_batch = (cfg.aux_loss_type == "global_batch" and cfg.aux_loss_coef and self.training
                         and not x_TD.is_meta)
+        # Whether activation checkpointing recomputes this forward inside backward (a graph task
+        # is then running): its routes were counted when the forward first ran. Asked only when
+        # it matters, since torch.compile cannot trace the question (a graph break).
+        recomputed = (count_bias or global_batch) and torch._C._current_graph_task_id() != -1
+        if count_bias and not recomputed:
+            self.routed_E.append(counts_E.detach())
         if global_batch:  # before sequence_sum: batch_sum adds every other rank's tokens, cp ranks too
             load_E = self._batch_load(counts_E, recomputed)
         if self.sequence_sum is not None:
@@ -253,7 +264,8 @@ class Router(nn.Module):
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
             dropped = 1.0 - kept_TK.float().mean()
-        return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy)
+        return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy,
+                       dropless=capacity is None)
 
     def _batch_load(self, counts_E: torch.Tensor, recomputed: bool) -> torch.Tensor:
         """The global batch's routes per expert up to this micro-batch (float64, exact). A forward

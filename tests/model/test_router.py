@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moetron.model.config import MoEConfig
-from moetron.model.router import Router, expert_capacity, rank_within_expert
+from moetron.model.router import Router, expert_capacity, rank_within_expert, routes_per_expert
 
 T, D, E = 64, 16, 8
 
@@ -158,3 +158,13 @@ def test_uniform_routing_has_unit_aux_loss():
     routing = router(x_TD)
     assert torch.equal(routing.counts_E, torch.full((4,), 8))
     assert math.isclose(routing.aux_loss.item(), 1.0, rel_tol=1e-5)
+
+
+def test_routes_per_expert_equals_bincount():
+    """The fixed-shape count (no data-dependent length, so compile traces it) equals bincount,
+    also when the last experts receive nothing."""
+    gen = torch.Generator().manual_seed(0)
+    expert_TK = torch.randint(0, 5, (300, 2), generator=gen)
+    counts_E = routes_per_expert(expert_TK, 8)
+    assert counts_E.shape == (8,) and counts_E.dtype == torch.int64
+    assert torch.equal(counts_E, torch.bincount(expert_TK.reshape(-1), minlength=8))

@@ -1,5 +1,6 @@
 """bench/model_throughput.py runs from another folder and splits each model's step into profile
-classes: the MoE's time has expert GEMMs, its dense twin's none, and both have attention."""
+classes: the MoE's time has expert GEMMs, its dense twin's none, and both have attention; with
+--compile it also times the compiled twins and reports their ratios."""
 
 import json
 import subprocess
@@ -11,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "model_throughput.py"
 
 def test_quick_run_reports_a_profile_breakdown_per_model(tmp_path):
     out = subprocess.run([sys.executable, str(BENCH), "--quick", "--no-transformers", "--precision", "fp32",
-                          "--threads", "1"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+                          "--threads", "1", "--compile"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     moe, dense = result["profile_ms"]["moetron-moe/fp32"], result["profile_ms"]["moetron-dense/fp32"]
@@ -19,3 +20,7 @@ def test_quick_run_reports_a_profile_breakdown_per_model(tmp_path):
     assert moe["expert_gemms"] > 0 and dense["expert_gemms"] == 0
     assert moe["attention"] > 0 and dense["attention"] > 0 and dense["other_matmuls"] > 0
     assert "profile of one step" in out.stdout
+    compiled = result["profile_ms"]["moetron-moe-compiled/fp32"]
+    assert compiled["expert_gemms"] > 0 and compiled["attention"] > 0
+    assert set(result["ratios"]["fp32"]) == {"moe/dense", "compiled/eager moe", "compiled/eager dense",
+                                             "moe/dense compiled"}
