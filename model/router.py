@@ -58,7 +58,6 @@ class Routing:
     counts_E: torch.Tensor  # routes each expert received, before capacity drops
     dropped_fraction: torch.Tensor  # scalar: dropped routes / all routes
     entropy: torch.Tensor  # scalar: mean router entropy per token, in nats
-    dropless: bool = False  # no capacity: every route is kept (kept_TK all true), known without reading it
 
 
 def expert_capacity(num_tokens: int, cfg: MoEConfig) -> int | None:
@@ -264,8 +263,7 @@ class Router(nn.Module):
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
             dropped = 1.0 - kept_TK.float().mean()
-        return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy,
-                       dropless=capacity is None)
+        return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy)
 
     def _batch_load(self, counts_E: torch.Tensor, recomputed: bool) -> torch.Tensor:
         """The global batch's routes per expert up to this micro-batch (float64, exact). A forward

@@ -72,7 +72,8 @@ class AllToAllDispatcher:
         # NOTE: host-device sync: all_to_all split sizes are host integers.
         send_splits = counts_E.view(P, El).sum(1).tolist()
         recv_splits = recv_counts_PEl.sum(1).tolist()
-        x_RD = all_to_all_single_autograd(x_AD, recv_splits, send_splits, self.group)
+        # Rows of dropped routes (past the last group) stay here: combine adds nothing for them.
+        x_RD = all_to_all_single_autograd(x_AD[: sum(send_splits)], recv_splits, send_splits, self.group)
         regroup_R = _source_major_to_expert_major(recv_counts_PEl)
         offsets_El = torch.cumsum(recv_counts_PEl.sum(0), 0).to(torch.int32)
         return x_RD[regroup_R], offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
@@ -85,6 +86,9 @@ class AllToAllDispatcher:
         """y_RD in (local expert, source) order → y_TD of this rank's tokens."""
         y_source_major_RD = torch.empty_like(y_RD).index_copy(0, state.regroup_R, y_RD)
         y_AD = all_to_all_single_autograd(y_source_major_RD, state.send_splits, state.recv_splits, self.group)
+        dropped = len(state.local.token_R) - y_AD.shape[0]
+        if dropped:
+            y_AD = torch.cat([y_AD, y_AD.new_zeros(dropped, y_AD.shape[1])])
         return self.local.combine(y_AD, state.local)
 
 

@@ -159,7 +159,7 @@ def test_padded_expert_groups_change_nothing(dtype, capacity_factor):
     sizes_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1))
     exact_E = torch.diff(layouts[1][1], prepend=offsets_E.new_zeros(1))
     assert sizes_E[0] == 0 and torch.all(sizes_E % 16 == 0) and torch.all(sizes_E - exact_E < 16)
-    assert int((state.weight_A == 0).sum()) >= int((sizes_E - exact_E).sum()) > 0
+    assert int((state.weight_R == 0).sum()) >= int((sizes_E - exact_E).sum()) > 0
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for a, b in zip(outs[16], outs[1]):
         torch.testing.assert_close(a, b, **tol)

@@ -1,0 +1,103 @@
+"""One MoE layer's forward + backward: how much of it is not expert GEMMs.
+
+Routing (router GEMM, softmax, top-k, renormalize, counts), dispatch (sort, gather), the SwiGLU
+between the grouped GEMMs and combine (weight, scatter-add) are the layer's own cost; the expert
+GEMMs are the work it exists to do. This times the layer eager and compiled (`torch.compile` of
+the layer, as `train.compile=true` compiles the block around it) and splits a few profiled calls
+of each by the profiler's operator self time into expert GEMMs (the grouped GEMMs and what they
+call) and everything else.
+
+    python bench/moe_layer.py                       # d=256, 8 experts of 512, top-2, 2,048 tokens, fp32
+    python bench/moe_layer.py --precision bf16 --experts 64
+
+Prints a table and one JSON line. Numbers are only comparable within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.moe import MoELayer
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from model_throughput import profile_breakdown  # noqa: E402  (beside this script)
+
+
+def layer_step(layer, x_TD: torch.Tensor, precision: str):
+    """forward + backward of one layer on x_TD as a closure returning its seconds."""
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else contextlib.nullcontext
+
+    def step() -> float:
+        x = x_TD.detach().requires_grad_()
+        start = time.perf_counter()
+        with autocast():
+            y_BSD, stats = layer(x[None])
+            loss = y_BSD.float().square().mean() + stats.aux_loss
+        loss.backward()
+        return time.perf_counter() - start
+
+    return step
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--d-expert", type=int, default=512)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--profile-calls", type=int, default=5, help="calls in each profile")
+    p.add_argument("--no-compile", action="store_true", help="time the eager layer only")
+    args = p.parse_args(argv)
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=args.d_model, n_layers=1, n_heads=1, activation="swiglu",
+                      moe=MoEConfig(num_experts=args.experts, top_k=args.top_k, d_expert=args.d_expert,
+                                    capacity_factor=None, weighting="renormalize", aux_loss_coef=0.01))
+    layer = MoELayer(cfg)
+    layer.init_weights(0.02, 0.02)
+    x_TD = torch.randn(args.tokens, args.d_model)
+    steps = {"eager": layer_step(layer, x_TD, args.precision)}
+    if not args.no_compile:
+        steps["compiled"] = layer_step(torch.compile(layer), x_TD, args.precision)
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    for _ in range(args.steps):  # interleaved: one call of each per round
+        for name, step in steps.items():
+            times[name].append(step())
+    # Several calls per profile: one call's split moves by a few points from run to run.
+    calls = args.profile_calls
+    breakdown = {name: profile_breakdown(lambda step=step: [step() for _ in range(calls)])
+                 for name, step in steps.items()}
+
+    rows = {}
+    for name, parts in breakdown.items():
+        total = sum(parts.values())
+        rows[name] = {"ms": round(1e3 * statistics.median(times[name]), 2),
+                      "profiled_ms": round(total / calls, 2), "expert_gemm_ms": round(parts["expert_gemms"] / calls, 2),
+                      "not_expert_gemm_share": round(1 - parts["expert_gemms"] / total, 3)}
+    shape = (f"d={args.d_model} experts={args.experts}x{args.d_expert} top-{args.top_k} "
+             f"tokens={args.tokens} {args.precision}")
+    print(f"MoE layer forward + backward, {shape}, median of {args.steps}")
+    print(f"{'':<10}{'ms':>9}{'expert GEMMs ms':>17}{'rest (share)':>16}")
+    for name, r in rows.items():
+        print(f"{name:<10}{r['ms']:>9.2f}{r['expert_gemm_ms']:>17.2f}{r['not_expert_gemm_share']:>15.1%}")
+    print(json.dumps({"bench": "moe_layer", "shape": shape, "threads": torch.get_num_threads(), **rows}))
+
+
+if __name__ == "__main__":
+    main()
