@@ -164,8 +164,10 @@ def _grouped_mm_torch(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.
     # past the last offset uninitialized, so they are kept out of it.
     end = int(offsets_E[-1]) if offsets_E.numel() else 0
     if _cpu_loop(x_TK, w_EKN) or (x_TK.device.type == "cpu" and 0 < end < x_TK.shape[0]):
-        # The loop writes each group in place; torch._grouped_mm's output would have to be
-        # copied into one with the zero rows (capacity drops: an MoE layer 13% slower).
+        # Rows past the last group (dropped routes): the loop writes each group in place, where
+        # torch._grouped_mm's output would be copied into one with the zero rows (fp32 MoE layer
+        # with capacity 1.0, forward + backward: 13% slower than exact rows with the copy, 5% with
+        # the loop).
         return _grouped_mm_cpu(x_TK, w_EKN, offsets_E)
     if end == 0 or not _fits_torch_grouped_mm(x_TK, w_EKN):
         return grouped_mm_reference(x_TK, w_EKN, offsets_E)

@@ -24,3 +24,16 @@ def test_quick_run_reports_a_profile_breakdown_per_model(tmp_path):
     assert compiled["expert_gemms"] > 0 and compiled["attention"] > 0
     assert set(result["ratios"]["fp32"]) == {"moe/dense", "compiled/eager moe", "compiled/eager dense",
                                              "moe/dense compiled"}
+
+
+def test_moe_layer_bench_splits_expert_gemms_from_the_rest(tmp_path):
+    """bench/moe_layer.py: the layer's profiled time splits into expert GEMMs (grouped GEMMs
+    present) and the rest (routing, permutes, SwiGLU: present too)."""
+    script = BENCH.parent / "moe_layer.py"
+    out = subprocess.run([sys.executable, str(script), "--tokens", "256", "--d-model", "64", "--d-expert", "128",
+                          "--steps", "2", "--warmup", "1", "--profile-calls", "2", "--no-compile"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    eager = json.loads(out.stdout.strip().splitlines()[-1])["eager"]
+    assert 0 < eager["expert_gemm_ms"] < eager["profiled_ms"]
+    assert 0 < eager["not_expert_gemm_share"] < 1
