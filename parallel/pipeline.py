@@ -133,6 +133,7 @@ class Pipeline:
     schedule: object
     record: StepRecord
     microbatch_BS: tuple[int, int]  # sequences and tokens (S/cp) of one micro-batch on this rank
+    microbatches: int  # micro-batches per step, as the schedule was built for
 
     @property
     def has_first(self) -> bool:
@@ -150,7 +151,7 @@ class Pipeline:
         the stages were built for: M micro-batches of `microbatch_BS`.
         """
         b, s = self.microbatch_BS
-        want = (b * self.schedule._n_microbatches, s)
+        want = (b * self.microbatches, s)
         if tuple(inputs_BS.shape) != want:
             raise ValueError(f"pipeline step: got a batch of shape {tuple(inputs_BS.shape)}, but the stages "
                              f"were built for {want} (micro-batches × sequences, tokens on this rank)")
@@ -210,4 +211,5 @@ def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: 
     # loss_fn and to the aux gradient, so both are scaled once and identically.
     first = stages if cfg.schedule in MULTI_STAGE else stages[0]
     schedule = cls(first, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record, local_BS)
+    return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record, local_BS,
+                    cfg.microbatches)
