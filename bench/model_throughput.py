@@ -46,10 +46,10 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
 from moetron.launcher.config import TrainConfig
 from moetron.launcher.optim import build_optimizer
+from moetron.launcher.trainer import next_token_cross_entropy
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -79,22 +79,18 @@ def transformers_mixtral(args):
     return MixtralForCausalLM(cfg)
 
 
-def next_token_ce(logits_BSV: torch.Tensor, ids_BS: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BSV[:, :-1].flatten(0, 1).float(), ids_BS[:, 1:].flatten())
-
-
-def moetron_loss(model, ids_BS, cross_entropy=next_token_ce):
+def moetron_loss(model, ids_BS, cross_entropy=next_token_cross_entropy):
     out = model(ids_BS)
-    return cross_entropy(out.logits_BSV, ids_BS) + out.aux_loss
+    return cross_entropy(out.logits_BSV[:, :-1], ids_BS[:, 1:]) + out.aux_loss
 
 
 def compiled_twin(model: torch.nn.Module, cfg: ModelConfig):
     """A copy of `model` compiled as `train.compile=true` compiles (block by block, and the
-    loss), with its loss function."""
+    trainer's loss), with its loss function."""
     twin = build_model(cfg)
     twin.load_state_dict(model.state_dict())
     apply_compile(twin)
-    cross_entropy = torch.compile(next_token_ce)
+    cross_entropy = torch.compile(next_token_cross_entropy)
     return twin, lambda m, ids_BS: moetron_loss(m, ids_BS, cross_entropy)
 
 

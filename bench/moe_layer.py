@@ -29,7 +29,7 @@ from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.moe import MoELayer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_throughput import profile_breakdown  # noqa: E402  (beside this script)
+from model_throughput import profile_breakdown  # beside this script
 
 
 def layer_step(layer, x_TD: torch.Tensor, precision: str):
