@@ -9,6 +9,7 @@ call) and everything else.
 
     python bench/moe_layer.py                       # d=256, 8 experts of 512, top-2, 2,048 tokens, fp32
     python bench/moe_layer.py --precision bf16 --experts 64
+    python bench/moe_layer.py --sum-routes         # scatter-add against gather, eager and compiled
 
 Prints a table and one JSON line. Numbers are only comparable within a run.
 """
@@ -51,6 +52,35 @@ def layer_step(layer, x_TD: torch.Tensor, precision: str):
     return step
 
 
+def sum_routes(tokens: int, top_k: int, d_model: int, rounds: int) -> dict[str, float]:
+    """ms to sum each token's K routed rows (in expert order) into the token: by scatter-adding
+    rows into tokens (`index_add_`, what autograd makes of a gather's backward) against gathering
+    each token's rows and summing over K (what dispatch's backward and combine do), eager and
+    compiled; medians of `rounds` calls."""
+    routes = tokens * top_k
+    order_A = torch.randperm(routes)  # the route held by each row, as an expert sort leaves them
+    row_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(routes))
+    y_AD = torch.randn(routes, d_model)
+
+    def scatter(y_AD):
+        return y_AD.new_zeros(tokens, d_model).index_add_(0, order_A // top_k, y_AD)
+
+    def gather(y_AD):
+        return y_AD.index_select(0, row_A).view(tokens, top_k, d_model).sum(1)
+
+    fns = {"scatter_eager": scatter, "gather_eager": gather,
+           "scatter_compiled": torch.compile(scatter), "gather_compiled": torch.compile(gather)}
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn(y_AD)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn(y_AD)
+            times[name].append(time.perf_counter() - start)
+    return {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--d-model", type=int, default=256)
@@ -63,7 +93,15 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-calls", type=int, default=5, help="calls in each profile")
     p.add_argument("--no-compile", action="store_true", help="time the eager layer only")
+    p.add_argument("--sum-routes", action="store_true",
+                   help="instead: time summing routed rows into tokens, scatter-add against gather")
     args = p.parse_args(argv)
+    if args.sum_routes:
+        ms = sum_routes(args.tokens, args.top_k, args.d_model, args.steps)
+        print(f"sum {args.tokens} × {args.top_k} routed rows of {args.d_model} into tokens, ms: "
+              + ", ".join(f"{k} {v}" for k, v in ms.items()))
+        print(json.dumps({"bench": "moe_layer.sum_routes", "threads": torch.get_num_threads(), **ms}))
+        return
 
     torch.manual_seed(0)
     cfg = ModelConfig(d_model=args.d_model, n_layers=1, n_heads=1, activation="swiglu",

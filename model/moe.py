@@ -34,7 +34,8 @@ class DispatchState:
 class _GatherTokens(torch.autograd.Function):
     """x_RD = x_TD[token_R], whose gradient is gathered back through `row_TK` and summed over each
     token's K routes, instead of scatter-added by token: compiled, a scatter-add is a loop of
-    atomic adds (a (4096, 256) → (2048, 256) index_add_: 1.6 ms, the gather-and-sum 0.1 ms)."""
+    atomic adds (`python bench/moe_layer.py --sum-routes`, 2048 tokens × 2 routes × 256 on 2 CPU
+    cores: index_add_ 1.6–3.3 ms, gather-and-sum 0.14–0.25 ms; eager 0.18–0.48 vs 0.28–0.76)."""
 
     @staticmethod
     def forward(ctx, x_TD: torch.Tensor, token_R: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
