@@ -1,8 +1,8 @@
 """One MoE layer's forward + backward: how much of it is not expert GEMMs.
 
 Routing (router GEMM, softmax, top-k, renormalize, counts), dispatch (sort, gather), the SwiGLU
-between the grouped GEMMs and combine (weight, scatter-add) are the layer's own cost; the expert
-GEMMs are the work it exists to do. This times the layer eager and compiled (`torch.compile` of
+between the grouped GEMMs and combine (gather, weight, sum over the top-k) are the layer's own
+cost; the expert GEMMs are the work it exists to do. This times the layer eager and compiled (`torch.compile` of
 the layer, as `train.compile=true` compiles the block around it) and splits a few profiled calls
 of each by the profiler's operator self time into expert GEMMs (the grouped GEMMs and what they
 call) and everything else.

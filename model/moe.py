@@ -58,7 +58,7 @@ class _CombineRoutes(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y_RD: torch.Tensor, weight_R: torch.Tensor, token_R: torch.Tensor,
                 row_TK: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(y_RD, weight_R, token_R, row_TK)
+        ctx.save_for_backward(y_RD, weight_R, token_R)
         T, K = row_TK.shape
         rows = row_TK.reshape(-1)
         weight_TK1 = weight_R.index_select(0, rows).view(T, K, 1).to(y_RD.dtype)
@@ -66,7 +66,7 @@ class _CombineRoutes(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy_TD: torch.Tensor):
-        y_RD, weight_R, token_R, _ = ctx.saved_tensors
+        y_RD, weight_R, token_R = ctx.saved_tensors
         dy_RD = dy_TD.index_select(0, token_R)
         dweight_R = (dy_RD * y_RD).sum(-1).to(weight_R.dtype) if ctx.needs_input_grad[1] else None
         return dy_RD * weight_R[:, None].to(dy_RD.dtype), dweight_R, None, None
@@ -155,12 +155,12 @@ class MoELayer(nn.Module):
         routing = self.router(x_TD, num_sequences=x_BSD.shape[0])
         if isinstance(self.dispatcher, LocalDispatcher):
             rows = self.experts.group_row_multiple(x_TD, routing.expert_TK.numel() / routing.probs_TE.shape[1])
-            x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing, row_multiple=rows)
+            x_RD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing, row_multiple=rows)
         else:
             # Expert parallelism: the received rows' layout is fixed by the exchange.
-            x_AD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
-        y_AD = self.experts(x_AD, offsets_E)
-        y_TD = self.dispatcher.combine(y_AD, state).to(x_BSD.dtype)
+            x_RD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
+        y_RD = self.experts(x_RD, offsets_E)
+        y_TD = self.dispatcher.combine(y_RD, state).to(x_BSD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
         spread = self.dispatcher.spread(routing)
