@@ -99,6 +99,20 @@ def transformers_loss(model, ids_BS):
     return model(input_ids=ids_BS, labels=ids_BS).loss
 
 
+def time_interleaved(steps: dict, warmup: int, rounds: int) -> dict:
+    """Seconds of each call of each closure in `steps` (each returns its own seconds): `warmup`
+    untimed rounds, then `rounds` rounds of one call of every closure, interleaved so drift in
+    the machine's load hits them alike."""
+    for _ in range(warmup):
+        for step in steps.values():
+            step()
+    times: dict = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            times[key].append(step())
+    return times
+
+
 def make_step(model, loss_fn, ids_BS, precision, *, moetron_optimizer: bool, timed: str = "step"):
     """One training step as a closure returning its seconds; `timed="fwd_bwd"` returns the time
     of forward + backward only (the optimizer still steps, untimed)."""
@@ -182,13 +196,7 @@ def expert_sweep(args) -> dict:
         for timed in ("fwd_bwd", "step"):
             steps[experts, timed] = make_step(model, moetron_loss, ids_BS, "fp32", moetron_optimizer=True, timed=timed)
         steps[experts, "params"] = sum(p.numel() for p in model.parameters())
-    times = {k: [] for k, v in steps.items() if callable(v)}
-    for _ in range(args.warmup):
-        for key in times:
-            steps[key]()
-    for _ in range(args.steps):
-        for key in times:
-            times[key].append(steps[key]())
+    times = time_interleaved({k: v for k, v in steps.items() if callable(v)}, args.warmup, args.steps)
     tok_s = {k: tokens / statistics.median(v) for k, v in times.items()}
     first = args.expert_sweep[0]
     rows = [{"experts": e, "params": steps[e, "params"],
@@ -276,13 +284,7 @@ def main(argv=None) -> None:
              for prec in args.precision for name, model in models.items()}
     kept = {(name, prec): kept_for_backward(model, loss_fns[name], ids_BS, prec)
             for prec in args.precision for name, model in models.items()} if args.ac else {}
-    times: dict = {key: [] for key in steps}
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    for _ in range(args.steps):  # interleaved: one step of every model per round
-        for key, step in steps.items():
-            times[key].append(step())
+    times = time_interleaved(steps, args.warmup, args.steps)
 
     # After the timed rounds, so the profiler's own cost touches no timing.
     breakdown = {key: profile_breakdown(step) for key, step in steps.items()}

@@ -30,7 +30,7 @@ from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.moe import MoELayer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from model_throughput import profile_breakdown  # beside this script
+from model_throughput import profile_breakdown, time_interleaved  # beside this script
 
 
 def layer_step(layer, x_TD: torch.Tensor, precision: str):
@@ -68,16 +68,16 @@ def sum_routes(tokens: int, top_k: int, d_model: int, rounds: int) -> dict[str, 
     def gather(y_AD):
         return y_AD.index_select(0, row_A).view(tokens, top_k, d_model).sum(1)
 
-    fns = {"scatter_eager": scatter, "gather_eager": gather,
-           "scatter_compiled": torch.compile(scatter), "gather_compiled": torch.compile(gather)}
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn(y_AD)
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    def timed(fn):
+        def call() -> float:
             start = time.perf_counter()
             fn(y_AD)
-            times[name].append(time.perf_counter() - start)
+            return time.perf_counter() - start
+        return call
+
+    fns = {"scatter_eager": scatter, "gather_eager": gather,
+           "scatter_compiled": torch.compile(scatter), "gather_compiled": torch.compile(gather)}
+    times = time_interleaved({name: timed(fn) for name, fn in fns.items()}, 1, rounds)
     return {name: round(1e3 * statistics.median(t), 3) for name, t in times.items()}
 
 
@@ -113,13 +113,7 @@ def main(argv=None) -> None:
     steps = {"eager": layer_step(layer, x_TD, args.precision)}
     if not args.no_compile:
         steps["compiled"] = layer_step(torch.compile(layer), x_TD, args.precision)
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    for _ in range(args.steps):  # interleaved: one call of each per round
-        for name, step in steps.items():
-            times[name].append(step())
+    times = time_interleaved(steps, args.warmup, args.steps)
     # Several calls per profile: one call's split moves by a few points from run to run.
     calls = args.profile_calls
     breakdown = {name: profile_breakdown(lambda step=step: [step() for _ in range(calls)])
