@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moetron.launcher.checkpoint.io import read_manifest
+from moetron.launcher.checkpoint.store import Checkpointer
 from moetron.launcher.config import load_config
 from moetron.model.transformer import build_model
-from moetron.parallel.checkpoint import Checkpointer
-from moetron.parallel.checkpoint_io import read_manifest
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

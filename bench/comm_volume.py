@@ -4,7 +4,7 @@ real run, side by side.
     python bench/comm_volume.py                      # every layout below, 2 ranks, ~10 s
     python bench/comm_volume.py --layouts tp2 pp2
 
-Predicted: `moetron.parallel.comm_volume.predict_step` from the model and parallel configs, the
+Predicted: `moetron.launcher.perf.comm_volume.predict_step` from the model and parallel configs, the
 batch and the sequence length (its docstring lists what each dimension sends and the byte
 convention: nccl-tests' "size", summed over every rank, 1-rank groups left out).
 
@@ -44,7 +44,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetron.launcher.config import Config, load_config
-from moetron.parallel.comm_volume import KINDS, by_kind, predict_step
+from moetron.launcher.perf.comm_volume import KINDS, by_kind, predict_step
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -176,8 +176,8 @@ def measure(name: str) -> dict:
     """One warm-up step, then one counted step of layout `name`; the counts summed over ranks."""
     import torch.distributed as dist
 
-    from moetron.launcher.optim import optimizer_for
-    from moetron.launcher.trainer import StopFlag, build_parallel_model, train_step
+    from moetron.launcher.train.optim import optimizer_for
+    from moetron.launcher.train.trainer import StopFlag, build_parallel_model, train_step
 
     cfg = layout_config(name)
     t = cfg.train

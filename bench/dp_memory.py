@@ -11,7 +11,7 @@ reads, on every rank, the bytes it holds:
              only inside a block's forward and backward, so they are not counted)
   grads      the local gradients right after backward (before the optimizer and zero_grad)
   optimizer  the AdamW state tensors after the step
-The table shows the largest rank; "estimate" is `moetron.model.flops.memory_per_rank` for the same
+The table shows the largest rank; "estimate" is `moetron.launcher.perf.flops.memory_per_rank` for the same
 layout. Activations are not measured here (the CPU allocator gives no per-tensor peak).
 """
 
@@ -43,9 +43,9 @@ def measure(config: str, mode: str) -> dict:
     import torch.distributed as dist
 
     from moetron.launcher.config import load_config
-    from moetron.launcher.mfu import config_accounting
-    from moetron.launcher.optim import optimizer_for
-    from moetron.launcher.trainer import build_parallel_model, train_step
+    from moetron.launcher.perf.mfu import config_accounting
+    from moetron.launcher.train.optim import optimizer_for
+    from moetron.launcher.train.trainer import build_parallel_model, train_step
 
     cfg = load_config(config, [*MODES[mode], "train.precision=fp32"], world_size=RANKS)
     t = cfg.train

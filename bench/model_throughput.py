@@ -48,8 +48,8 @@ import time
 import torch
 
 from moetron.launcher.config import TrainConfig
-from moetron.launcher.optim import build_optimizer
-from moetron.launcher.trainer import next_token_cross_entropy
+from moetron.launcher.train.optim import build_optimizer
+from moetron.launcher.train.trainer import next_token_cross_entropy
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing

@@ -95,11 +95,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def measure(name: str, steps: int) -> dict:
     import torch.distributed as dist
-
     from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
 
-    from moetron.launcher.optim import optimizer_for
-    from moetron.launcher.trainer import build_parallel_model, train_step
+    from moetron.launcher.train.optim import optimizer_for
+    from moetron.launcher.train.trainer import build_parallel_model, train_step
 
     cfg = layout_config(name)
     t = cfg.train
@@ -170,9 +169,9 @@ def worker(names: list[str], steps: int) -> int:
 
 
 def predicted(name: str, expert_imbalance: float = 1.0) -> dict:
-    from moetron.launcher.device_profiles import get_profile
-    from moetron.launcher.planner import Layout, predict
-    from moetron.parallel.comm_volume import predict_step
+    from moetron.launcher.perf.comm_volume import predict_step
+    from moetron.launcher.perf.device_profiles import get_profile
+    from moetron.launcher.perf.planner import Layout, predict
 
     cfg = layout_config(name)
     t = cfg.train
@@ -203,7 +202,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         raise SystemExit(worker(args.worker, args.steps))
-    from moetron.launcher.device_profiles import get_profile
+    from moetron.launcher.perf.device_profiles import get_profile
 
     profile = get_profile("cpu")  # fails early, with the command to run, when not calibrated
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", __file__,

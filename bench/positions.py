@@ -2,7 +2,7 @@
 
 Trains the tiny MoE (configs/tiny.yaml, shrunk) once per encoding — sinusoidal, learned, RoPE,
 ALiBi, T5's relative bias — at S = 256 on the stdlib corpus, equal steps, batch and seed, then
-scores each on the same validation tokens at 256, 512, …, 4096 (launcher/length_eval.py; learned
+scores each on the same validation tokens at 256, 512, …, 4096 (launcher/train/length_eval.py; learned
 positions refuse lengths past their 256-row table). The RoPE model is also scored with NTK-aware
 and YaRN scaling set at evaluation time only, each length with factor = length / 256 (the usual
 choice: scale to the target context). Reports, beside the reference page's own columns
@@ -55,7 +55,7 @@ SIZES = {
 def train_encoding(position: str, args, root: Path) -> tuple[Path, float]:
     """Train one model; → (its run folder, training tokens/s after the first logged window)."""
     from moetron.launcher.config import load_config
-    from moetron.launcher.trainer import train
+    from moetron.launcher.train.trainer import train
 
     cfg = load_config(TINY, [*SIZES[args.size], f"model.position={position}", f"model.max_seq_len={TRAIN_LEN}",
                              f"train.seq_len={TRAIN_LEN}", f"train.steps={args.steps}",
@@ -73,8 +73,8 @@ def train_encoding(position: str, args, root: Path) -> tuple[Path, float]:
 def losses_by_length(run: Path, scaling: str | None, lengths: list[int], data, args) -> dict[int, float]:
     """Validation loss at each length the encoding can run; with `scaling`, RoPE rescaled at load
     time with factor length / TRAIN_LEN, one load per length, every length on the same tokens."""
-    from moetron.launcher.length_eval import evaluate_lengths, length_problems
-    from moetron.launcher.weights import load_model, resolve_checkpoint
+    from moetron.launcher.checkpoint.weights import load_model, resolve_checkpoint
+    from moetron.launcher.train.length_eval import evaluate_lengths, length_problems
 
     ckpt = resolve_checkpoint(run)
     kw = dict(tokens=args.tokens, batch_tokens=args.batch_tokens, vocab_size=data.vocab_size, longest=max(lengths))
@@ -96,8 +96,8 @@ def decode_tokens_per_s(run: Path, context: int, steps: int) -> float | None:
     steps (the cache rewound), as one pass is noisy. None where the encoding cannot run there."""
     import torch
 
-    from moetron.launcher.length_eval import length_problems
-    from moetron.launcher.weights import load_model, resolve_checkpoint
+    from moetron.launcher.checkpoint.weights import load_model, resolve_checkpoint
+    from moetron.launcher.train.length_eval import length_problems
 
     _, model = load_model(resolve_checkpoint(run))
     if length_problems(model.cfg, [context]):
@@ -174,9 +174,9 @@ def main() -> None:
 
     import torch
 
-    from moetron.launcher.data import load_token_data
-    from moetron.launcher.weights import checkpoint_config, resolve_checkpoint
-    from moetron.model.flops import params_position
+    from moetron.launcher.checkpoint.weights import checkpoint_config, resolve_checkpoint
+    from moetron.launcher.data.corpus import load_token_data
+    from moetron.launcher.perf.flops import params_position
 
     torch.set_num_threads(args.threads)
     lengths = [TRAIN_LEN * 2**i for i in range((args.max_len // TRAIN_LEN).bit_length())]

@@ -40,7 +40,7 @@ VARIANTS = {
 
 def run_variant(name: str, overrides: list[str], args, root: Path) -> dict:
     from moetron.launcher.config import load_config
-    from moetron.launcher.trainer import train
+    from moetron.launcher.train.trainer import train
 
     cfg = load_config(TINY, [*overrides, f"train.steps={args.steps}", f"train.batch_size={args.batch}",
                              f"train.seed={args.seed}", "train.log_every=5", f"train.eval_every={args.steps}",

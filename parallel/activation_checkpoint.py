@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -39,9 +38,10 @@ _SAVED = [
 @functools.cache
 def saved_ops() -> frozenset:
     """The op overload packets selective checkpointing keeps (resolved once, on first use)."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional
+
     import moetron.kernels.flash_attention  # noqa: F401 - registers moetron::flash_attention_fwd
     import moetron.kernels.grouped_mm  # noqa: F401 - registers moetron::grouped_mm
-    import torch.distributed._functional_collectives  # noqa: F401 - registers _c10d_functional
 
     ops = set()
     for namespace, name in _SAVED:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
 try:
     from torch.distributed._functional_collectives import all_gather_single_autograd
 except ImportError:  # torch 2.11 has only all_gather_tensor_autograd (a deprecated alias in 2.13)

@@ -29,7 +29,7 @@ dtype (bf16 under autocast, as in Megatron), instead of tp-fold repeated expert 
 
 Everything that knows expert shards knows the F split through the returned {name: dim} map:
 initialization (each rank its piece of the single-process init), the global gradient norm
-(the tp pieces are distinct, not copies), and checkpoints (`checkpoint_state.ExpertShards`: a
+(the tp pieces are distinct, not copies), and checkpoints (`expert_shards.ExpertShards`: a
 (ep, tp) grid, Shard(0) over ep and Shard(dim) over tp, so a key names the full (E, ·, ·) tensor
 on every layout). Expert gradients are complete on each rank (every row passed through its
 slice) and are reduced over "edp_cp" by the data-parallel wrapper as without ETP.

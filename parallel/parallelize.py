@@ -29,17 +29,24 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from moetron.model.transformer import Decoder
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
-from moetron.parallel.checkpoint_state import ExpertShards
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.context_parallel import apply_context_parallel, split_sequence
 from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_, set_gradient_sync
 from moetron.parallel.expert_parallel import apply_expert_parallel
+from moetron.parallel.expert_shards import ExpertShards
 from moetron.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
 from moetron.parallel.global_balance import apply_global_batch_balance, start_global_batch
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import ParallelMesh
-from moetron.parallel.pipeline import (Pipeline, StepRecord, attach_stage_output, build_pipeline, merge_stages,
-                                      split_stage, stages_of_rank)
+from moetron.parallel.pipeline import (
+    Pipeline,
+    StepRecord,
+    attach_stage_output,
+    build_pipeline,
+    merge_stages,
+    split_stage,
+    stages_of_rank,
+)
 from moetron.parallel.tensor_parallel import apply_tensor_parallel
 
 CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

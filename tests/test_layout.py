@@ -54,7 +54,7 @@ def test_no_work_at_import_time(tmp_path):
     import sys
 
     code = ("import sys, threading\n"
-            "import moetron.model, moetron.kernels, moetron.parallel, moetron.launcher.cli\n"
+            "import moetron.model, moetron.kernels, moetron.parallel, moetron.launcher.cli.main\n"
             "assert threading.active_count() == 1, threading.enumerate()\n"
             "assert 'triton' not in sys.modules, 'triton imported at import time'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
@@ -66,7 +66,7 @@ def test_quick_commands_do_not_load_torch(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom moetron.launcher.cli import build_parser\nbuild_parser()\n"
+    code = ("import sys\nfrom moetron.launcher.cli.main import build_parser\nbuild_parser()\n"
             "assert 'torch' not in sys.modules, 'torch imported by the CLI parser'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from moetron.launcher.bootstrap import slurm_hostnames
-from moetron.launcher.sbatch import render_sbatch
+from moetron.launcher.cluster.bootstrap import slurm_hostnames
+from moetron.launcher.cluster.sbatch import render_sbatch
 
 pytestmark = [pytest.mark.slurm]
 
@@ -60,7 +60,7 @@ def test_scontrol_expands_host_lists(slurm_env, monkeypatch):
 
 
 def test_srun_two_ranks_bootstrap_and_all_reduce(slurm_env):
-    out = run(["srun", "-n", "2", "--time", "2", sys.executable, "-m", "moetron.launcher.bootstrap", "--timeout", "60"],
+    out = run(["srun", "-n", "2", "--time", "2", sys.executable, "-m", "moetron.launcher.cluster.bootstrap", "--timeout", "60"],
               slurm_env, timeout=180)
     reports = sorted((json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
     assert [(r["rank"], r["world_size"], r["local_rank"], r["launcher"]) for r in reports] == [(0, 2, 0, "slurm"), (1, 2, 1, "slurm")]

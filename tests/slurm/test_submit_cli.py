@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moetron.launcher.cli import main
+from moetron.launcher.cli.main import main
 from moetron.launcher.config import load_config
 
 pytestmark = [pytest.mark.slurm]

@@ -1,0 +1,434 @@
+"""Sharded checkpoints on torch.distributed.checkpoint (DCP): atomic, verified, async, kept K deep,
+and layout-independent, so a run resumes on any TP/PP/EP/DP layout and world size.
+
+Layout of <run>/checkpoints/:
+  step-00000100/            one complete checkpoint:
+      __R_I.distcp, .metadata   DCP shards of {"model", "optim"}; keys are parameter names (the
+                                optimizer state flattened per parameter name too), tensors carry
+                                their global shape, each rank writes the pieces it holds
+      state.json                step, tokens, sampler, scheduler, resolved config, layout
+      rng-rank<R>.json          every RNG of rank R (torch CPU/CUDA, Python, NumPy)
+      manifest.json             size and sha256 of every file above (see checkpoint_io.py)
+      COMPLETE                  written last, just before the rename
+  .tmp-step-00000100/       a checkpoint being written; never read, removed by the next save
+  latest                    name of the newest complete checkpoint, replaced atomically
+Only tensors and plain data are written, and only those are unpickled on load.
+
+A save: every rank stages its state dict (async: copies to CPU memory and returns to training),
+writes its shards and hashes them; once *every* rank has finished (all ranks agree through a
+one-integer all_reduce, polled once per step when async), rank 0 merges the manifest, writes
+COMPLETE, renames the folder and moves `latest`. A failed save (full disk, quota) removes its
+temporary folder and raises `CheckpointError`; the previous checkpoint and `latest` are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+from moetron.launcher.checkpoint.io import (
+    MANIFEST,
+    CheckpointError,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    manifest_part,
+    tensor_mismatches,
+    tensor_shapes,
+    verify_checkpoint,
+    write_manifest,
+)
+from moetron.launcher.checkpoint.state import (
+    dcp_call,
+    global_views,
+    live_state,
+    restore_live_state,
+    rng_state,
+    set_rng_state,
+    views_of,
+)
+from moetron.parallel.expert_shards import ExpertShards
+
+COMPLETE = "COMPLETE"
+# Fault injection for crash tests: "STEP:PHASE" makes the save of that step stop for an hour at
+# PHASE, so a kill lands there deterministically: "shards" (each rank, its shards and manifest part
+# written), "manifest" (rank 0, merged manifest written, no COMPLETE), "rename" (COMPLETE written,
+# folder not renamed), "latest" (renamed, pointer not moved). "STEP" alone means STEP:shards.
+STALL_ENV = "MOETRON_CHECKPOINT_STALL_AT"
+STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_of(ckpt: Path) -> int:
+    return int(Path(ckpt).name.split("-")[-1])
+
+
+def _stall(step: int, phase: str) -> None:
+    """The crash tests' hook (STALL_ENV); a no-op unless the variable names this step and phase."""
+    wanted = os.environ.get(STALL_ENV)
+    if wanted is not None and (wanted == f"{step}:{phase}" or (phase == "shards" and wanted == str(step))):
+        time.sleep(3600)
+
+
+def complete_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Every complete checkpoint of a folder, oldest first."""
+    return sorted(p for p in Path(ckpt_root).glob("step-*") if (p / COMPLETE).is_file())
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    """The newest complete checkpoint. A folder is named step-* only once COMPLETE is in it, so the
+    scan is authoritative; the `latest` pointer (for people and scripts) can lag one save behind
+    when a process dies between the rename and the pointer update, and must not lose that save."""
+    done = complete_checkpoints(ckpt_root)
+    return done[-1] if done else None
+
+
+def previous_checkpoint(ckpt: Path) -> Path | None:
+    """The newest complete checkpoint older than `ckpt` in the same folder."""
+    older = [p for p in complete_checkpoints(Path(ckpt).parent) if p.name < Path(ckpt).name]
+    return older[-1] if older else None
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+@dataclass
+class _Pending:
+    step: int
+    tmp: Path
+    done: Future  # this rank's shards written, hashed and synced
+
+
+class Checkpointer:
+    """Saves the checkpoints of one run; every rank creates one (in the same order: it creates
+    process groups) and calls `save`, `poll` and `wait` at the same steps.
+
+    Sync: `save` returns the finished checkpoint. Async: `save` returns None once the state is
+    copied off the training tensors; `poll()` (every step) returns the checkpoint once all ranks
+    have finished writing it; `wait()` blocks until then (call it before the process exits).
+    """
+
+    def __init__(self, ckpt_root: Path, *, keep: int = 3, async_save: bool = False,
+                 expert_shards: ExpertShards | None = None):
+        self.root = Path(ckpt_root)
+        self.keep = keep
+        self.async_save = async_save
+        self.expert_shards = expert_shards
+        self.rank = _rank()
+        self.world = _world()
+        # Gloo groups of their own: the polls and barriers carry CPU integers whatever the training
+        # backend is, and an async write's DCP collectives run in a background thread while the
+        # main thread keeps using the other groups.
+        self._control = dist.new_group(backend="gloo") if _distributed() else None
+        self._io = dist.new_group(backend="gloo") if _distributed() and async_save else self._control
+        self._pending: _Pending | None = None
+        if self.rank == 0 and self.root.is_dir():
+            for stale in self.root.glob(".tmp-step-*"):  # left by a process killed mid-write
+                shutil.rmtree(stale, ignore_errors=True)
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, model: nn.Module | Sequence[nn.Module],
+             optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+             state: dict[str, Any]) -> Path | None:
+        """Start (async) or write (sync) the checkpoint of `step`. `state` is plain JSON data
+        (rank 0's is written). Returns the finished checkpoint, or None while it is in flight."""
+        self.wait()
+        tmp = self.root / f".tmp-{checkpoint_name(step)}"
+        if self.rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier()
+        done: Future = Future()
+        try:
+            if self.rank == 0:
+                tmp.mkdir(parents=True, exist_ok=True)
+            self._barrier()
+            (tmp / f"rng-rank{self.rank}.json").write_text(json.dumps(rng_state()))
+            if self.rank == 0:
+                (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            views = global_views(model, optimizer, self.expert_shards, STATE_OPTIONS)
+            writer = FileSystemWriter(str(tmp), thread_count=1, sync_files=True)
+            if self.async_save:
+                written = dcp_call(dcp.async_save, views, storage_writer=writer, process_group=self._io,
+                                   no_dist=self._io is None)
+                written.add_done_callback(lambda f: self._after_write(f, step, tmp, done))
+            else:
+                dcp_call(dcp.save, views, storage_writer=writer, process_group=self._io, no_dist=self._io is None)
+                self._finish_rank(step, tmp)
+                done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of the failure
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            done.set_exception(e)
+        self._pending = _Pending(step, tmp, done)
+        return None if self.async_save and not done.done() else self.wait()
+
+    def _after_write(self, written: Future, step: int, tmp: Path, done: Future) -> None:
+        """Runs in the writer thread when DCP finished this rank's shards."""
+        try:
+            written.result()
+            self._finish_rank(step, tmp)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread
+            done.set_exception(e)
+
+    def _finish_rank(self, step: int, tmp: Path) -> None:
+        """Hash what this rank wrote (its shards, its RNGs; rank 0 also the metadata and state)."""
+        group_rank = dist.get_rank(self._io) if self._io is not None else 0
+        names = [p.name for p in tmp.glob(f"__{group_rank}_*.distcp")] + [f"rng-rank{self.rank}.json"]
+        if self.rank == 0:
+            names += [".metadata", "state.json"]
+        part = tmp / f"{MANIFEST}.rank{self.rank}"
+        part.write_text(json.dumps(manifest_part(tmp, names)))
+        _fsync(part)
+        _stall(step, "shards")
+
+    def poll(self) -> Path | None:
+        """The checkpoint in flight, finished, once every rank has written its part; else None.
+        NOTE: one tiny all_reduce on the control group when distributed."""
+        if self._pending is None:
+            return None
+        busy = 0 if self._pending.done.done() else 1
+        if self._control is not None:
+            t = torch.tensor([busy])
+            dist.all_reduce(t, group=self._control)
+            busy = int(t.item())
+        return None if busy else self._commit()
+
+    def wait(self) -> Path | None:
+        """Block until the checkpoint in flight is finished (or failed); return it."""
+        if self._pending is None:
+            return None
+        try:
+            self._pending.done.result()
+        except BaseException:  # noqa: BLE001 - reported by _commit on every rank
+            pass
+        return self._commit()
+
+    def _commit(self) -> Path:
+        pending, self._pending = self._pending, None
+        error = pending.done.exception()
+        if self._any(error is not None):
+            self._discard(pending.tmp)
+            raise _save_error(pending, error, latest_checkpoint(self.root))
+        final = self.root / checkpoint_name(pending.step)
+        error = None
+        if self.rank == 0:
+            try:
+                self._publish(pending.tmp, final)
+            except OSError as e:
+                error = e
+        if self._any(error is not None):
+            self._discard(pending.tmp)
+            raise _save_error(pending, error, latest_checkpoint(self.root))
+        return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rank 0, once every rank's part is on disk: manifest → COMPLETE → rename → `latest` → prune."""
+        files: dict[str, Any] = {}
+        for r in range(self.world):
+            part = tmp / f"{MANIFEST}.rank{r}"
+            files.update(json.loads(part.read_text()))
+        write_manifest(tmp, files)
+        _fsync(tmp / MANIFEST)
+        _stall(step_of(final), "manifest")
+        (tmp / COMPLETE).write_text(final.name + "\n")
+        _fsync(tmp / COMPLETE)
+        for r in range(self.world):
+            (tmp / f"{MANIFEST}.rank{r}").unlink()
+        _stall(step_of(final), "rename")
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        _stall(step_of(final), "latest")
+        pointer = self.root / ".latest.tmp"
+        pointer.write_text(final.name + "\n")
+        _fsync(pointer)
+        pointer.replace(self.root / "latest")
+        _fsync_dir(self.root)
+        older = [p for p in complete_checkpoints(self.root) if p != final]
+        for old in older[: max(len(older) - (self.keep - 1), 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _discard(self, tmp: Path) -> None:
+        self._barrier()
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _any(self, flag: bool) -> bool:
+        if self._control is None:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
+
+    def _barrier(self) -> None:
+        if self._control is not None:
+            dist.barrier(group=self._control)
+
+
+def _save_error(pending: _Pending, error: BaseException | None, previous: Path | None) -> CheckpointError:
+    reason = _root_cause(error) if error is not None else "another rank failed to write its part (see its log)"
+    kept = f"the previous checkpoint {previous} and `latest` are intact" if previous else "no earlier checkpoint exists"
+    return CheckpointError(f"saving checkpoint {checkpoint_name(pending.step)} failed: {reason}; "
+                           f"its temporary folder was removed and {kept}")
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost OSError (full disk, quota, permissions) of DCP's wrapped exceptions, as text."""
+    seen: list[BaseException] = []
+    stack = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError):
+            where = f" ({e.filename})" if e.filename else ""
+            return f"{e.strerror or e}{where}"
+        stack += [e.__cause__, e.__context__]
+        stack += _failures(e)
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _failures(e: BaseException) -> list[BaseException]:
+    """The per-rank exceptions DCP gathers into CheckpointException.failures ({rank: (exception,
+    traceback)})."""
+    out = []
+    for f in getattr(e, "failures", {}).values():
+        f = f[0] if isinstance(f, tuple) else getattr(f, "exception", f)
+        if isinstance(f, BaseException):
+            out.append(f)
+    return out
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    state: dict[str, Any], *, keep: int = 3, expert_shards: ExpertShards | None = None) -> Path:
+    """Write the checkpoint of `step` now (every rank calls this); see `Checkpointer`."""
+    return Checkpointer(ckpt_root, keep=keep, expert_shards=expert_shards).save(step, model, optimizer, state)
+
+
+def load_checkpoint(path: Path, model: nn.Module | Sequence[nn.Module],
+                    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None, *,
+                    expert_shards: ExpertShards | None = None) -> dict[str, Any]:
+    """Load model (and optimizer) tensors into the live, possibly sharded, objects of this rank —
+    any layout, any world size; restore this rank's RNGs when the checkpoint has them; return the
+    plain state (step, sampler, …). Every file this rank reads is checked against the manifest
+    first; a damaged checkpoint or one of another model raises `CheckpointError` before anything
+    is changed."""
+    path = Path(path)
+    reader = _open_verified(path)
+    metadata = reader.read_metadata()
+    live = live_state(model, optimizer, STATE_OPTIONS)
+    views = views_of(live.merged(), expert_shards)
+    _check_fits(path, tensor_shapes(metadata, "model."), {k: tuple(v.shape) for k, v in views["model"].items()})
+    try:
+        dcp_call(dcp.load, views, storage_reader=reader, planner=SafeLoadPlanner())
+    except CheckpointException as e:
+        raise _load_error(path, e) from None
+    restore_live_state(live, STATE_OPTIONS)
+    rng_file = path / f"rng-rank{_rank()}.json"
+    if optimizer is not None and rng_file.is_file():
+        set_rng_state(json.loads(rng_file.read_text()))
+    state_file = path / "state.json"
+    return json.loads(state_file.read_text()) if state_file.is_file() else {}
+
+
+def consolidated_model_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
+    """The whole model of a checkpoint as {parameter name: full tensor} on the CPU, in the saved
+    dtypes, read on this process alone from however many shards the save wrote (for export,
+    conversion and inference). Verified against the manifest like a resume. `part="optim"`
+    gives the optimizer's tensors instead, flattened the same way ({"state.<param>.exp_avg": …})."""
+    path = Path(path)
+    reader = _open_verified(path)
+    metadata = reader.read_metadata()
+    prefix = part + "."
+    entries = {k: md for k, md in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    if not entries:
+        raise CheckpointError(f"{path}: holds no {part} tensors")
+    model = {k[len(prefix):]: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in entries.items()
+             if hasattr(md, "properties")}
+    try:
+        dcp_call(dcp.load, {part: model}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except CheckpointException as e:
+        raise _load_error(path, e) from None
+    return model
+
+
+def _open_verified(path: Path) -> SafeFileSystemReader:
+    """A reader for `path` once its files have the sizes its manifest recorded (hashes are
+    checked as each rank reads its files)."""
+    if not (path / ".metadata").is_file():
+        raise CheckpointError(f"{path}: not a checkpoint folder (no .metadata){_offer(path)}")
+    try:
+        problem = verify_checkpoint(path)
+    except CheckpointError as e:  # an unreadable or newer manifest
+        raise CheckpointError(f"{e}{_offer(path)}") from None
+    if problem:
+        raise CheckpointError(f"{problem}{_offer(path)}")
+    return SafeFileSystemReader(path)
+
+
+def _offer(path: Path) -> str:
+    previous = previous_checkpoint(path)
+    return (f"; the previous complete checkpoint is {previous} (nothing was deleted)" if previous
+            else "; no earlier complete checkpoint exists (nothing was deleted)")
+
+
+def _check_fits(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a checkpoint whose tensors are not this model's, naming them. Under pipeline
+    parallelism each rank holds some layers only, so the expected names are gathered from all."""
+    if _distributed():
+        everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, expected)
+        expected = {k: v for e in everyone for k, v in e.items()}
+    problems = tensor_mismatches(saved, expected)
+    if problems:
+        raise CheckpointError(f"checkpoint {path} is of another model: " + "; ".join(problems[:6]))
+
+
+def _load_error(path: Path, e: CheckpointException) -> CheckpointError:
+    """The first CheckpointError any rank raised inside DCP (a corrupt shard, a refused pickle)."""
+    for inner in _failures(e):
+        if isinstance(inner, CheckpointError):
+            return CheckpointError(f"{inner}{'' if 'refused' in str(inner) else _offer(path)}")
+    return CheckpointError(f"loading {path} failed: {_root_cause(e)}{_offer(path)}")
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

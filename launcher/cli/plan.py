@@ -1,0 +1,139 @@
+"""`moetron plan CONFIG --gpus N`: the parallel layouts of a config on N devices that fit in memory,
+ranked by predicted step time; `--calibrate` measures this machine's profile for `--gpu cpu`."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from moetron.launcher.cli.help import HelpFormatter
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "plan", help="choose the parallel layout for N devices from a cost model",
+        description="Enumerate every parallel layout moetron train accepts for the config on N devices "
+                    "(pp, dp, tp, cp, ep, etp, vpp, schedule, micro-batches, dp_mode and HSDP shard size, "
+                    "sequence parallel, gradient accumulation, activation checkpointing), drop those that "
+                    "do not fit in device memory, and rank the rest by predicted step time. Each row shows "
+                    "memory per rank by part, communication per rank by kind and link, the pipeline bubble, "
+                    "step time, tokens/s and MFU. The cost model is described in moetron/launcher/planner.py; "
+                    "device profiles and their sources in launcher/perf/device_profiles.py.",
+        formatter_class=HelpFormatter)
+    p.add_argument("config", nargs="?", help="YAML preset, e.g. configs/mixtral-8x7b.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("--gpus", type=int, help="devices (ranks) to plan for")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (NVLink domain)")
+    p.add_argument("--gpu", default="H100", help="device profile: H100, H200, A100, B200, or cpu (calibrated)")
+    p.add_argument("--interconnect", default=None, help="inter-node link: ndr, hdr, roce400, eth100")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
+    p.add_argument("--expert-imbalance", type=float, default=1.0,
+                   help="routes held by the busiest expert-parallel rank over the mean (1 = balanced; "
+                        "moe_max_vio + 1 in metrics.jsonl bounds it); capped by model.moe.capacity_factor")
+    p.add_argument("--top", type=int, default=10, help="layouts to show")
+    p.add_argument("--where", nargs="+", metavar="FIELD=VALUE", default=(),
+                   help="show only layouts with these parallel fields (e.g. pp=4 ep=8 tp=1), with their rank")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--overrides-only", action="store_true",
+                   help="print only the best layout's config overrides (for scripts and --layout auto)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (matmul rate, gloo collectives, per-block overhead) for --gpu cpu")
+    p.add_argument("--ranks", type=int, default=4, help="ranks to calibrate collectives with")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from moetron.launcher.config import ConfigError
+
+    if args.calibrate:
+        from moetron.launcher.perf.calibrate import calibrate
+
+        profile, path = calibrate(ranks=args.ranks)
+        print(json.dumps(profile.to_dict(), indent=1) if args.json else f"calibrated {profile.name}: written to {path}")
+        if not args.config:
+            return 0
+    if not args.config or args.gpus is None:
+        raise ConfigError("moetron plan needs a CONFIG and --gpus N (or --calibrate alone)")
+    cfg, profile, result = make_plan(args)
+    if not result.ranked:
+        reason = result.dropped[0].reason if result.dropped else "no valid layout for this many devices"
+        raise ConfigError(f"no layout of {args.config} fits on {args.gpus} × {profile.name}: {reason}")
+    if args.overrides_only:
+        print(" ".join(result.ranked[0].layout.overrides()))
+        return 0
+    shown = matching(result.ranked, args.where)
+    if args.json:
+        print(json.dumps({"config": args.config, "gpus": args.gpus, "profile": profile.to_dict(),
+                          "considered": result.considered,
+                          "ranked": [{"rank": i, **p.to_dict()} for i, p in shown[:args.top]],
+                          "dropped": [p.to_dict() for p in matching(result.dropped, args.where)[:args.top]]}))
+        return 0
+    print_plan(cfg, args, profile, result, shown)
+    return 0
+
+
+def matching(predictions, where) -> list:
+    """(1-based rank, prediction) of those whose parallel fields equal every FIELD=VALUE of `where`."""
+    from moetron.launcher.config import ConfigError
+
+    wanted = {}
+    for item in where:
+        key, sep, value = item.partition("=")
+        if not sep or not hasattr(predictions[0].layout.parallel if predictions else None, key):
+            raise ConfigError(f"--where {item!r}: expected FIELD=VALUE with a parallel field, e.g. pp=4")
+        wanted[key] = value
+    return [(i, p) for i, p in enumerate(predictions, 1)
+            if all(str(getattr(p.layout.parallel, k)).lower() == v.lower() for k, v in wanted.items())]
+
+
+def make_plan(args):
+    from moetron.launcher.config import ConfigError, load_config
+    from moetron.launcher.perf.device_profiles import get_profile
+    from moetron.launcher.perf.planner import plan
+
+    if args.gpus < 1:
+        raise ConfigError(f"--gpus {args.gpus}: must be >= 1")
+    overrides = list(args.overrides)
+    if args.global_batch:
+        overrides.append(f"train.batch_size={args.global_batch}")
+    if args.seq_len:
+        overrides.append(f"train.seq_len={args.seq_len}")
+    # The plan picks the accumulation; the preset's own would otherwise constrain the batch split.
+    cfg = load_config(args.config, [*overrides, "train.grad_accum=1"], world_size=args.gpus)
+    profile = get_profile(args.gpu, interconnect=args.interconnect)
+    if args.expert_imbalance < 1:
+        raise ConfigError(f"--expert-imbalance {args.expert_imbalance}: must be >= 1 (the busiest rank over the mean)")
+    return cfg, profile, plan(cfg, args.gpus, profile, gpus_per_node=args.gpus_per_node,
+                              expert_imbalance=args.expert_imbalance)
+
+
+def print_plan(cfg, args, profile, result, shown) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 1000)
+    gib = 2**30
+    t = cfg.train
+    table = Table(title=f"{args.config} on {args.gpus} × {profile.name} ({args.gpus_per_node} per node): "
+                        f"{t.batch_size} × {t.seq_len} tokens per step; {result.considered} layouts valid, "
+                        f"{len(result.ranked)} parallel sections fit, {len(result.dropped)} do not",
+                  title_justify="left")
+    for col in ("#", "layout", "step s", "tokens/s", "MFU", "GiB/rank w+g+o+act+buf", "comm GB/rank intra | inter",
+                "exposed comm s", "bubble"):
+        table.add_column(col, no_wrap=col != "layout")
+    for i, p in shown[:args.top]:
+        m = p.memory
+        parts = "+".join(f"{m[k] / gib:.1f}" for k in ("weights", "grads", "optimizer", "activations", "buffers"))
+        table.add_row(str(i), p.layout.label(), f"{p.step_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
+                      f"{m['total'] / gib:.1f} = {parts}",
+                      f"{p.link_bytes['intra'] / 1e9:.2f} | {p.link_bytes['inter'] / 1e9:.2f}",
+                      f"{p.times['comm_exposed']:.3g}", f"{p.bubble:.1%}")
+    console.print(table)
+    best = result.ranked[0]
+    console.print("best as overrides: " + " ".join(best.layout.overrides()))
+    if args.where and not shown:
+        console.print(f"no fitting layout has {' '.join(args.where)}")
+    if result.dropped:
+        console.print(f"does not fit (leanest variant of each, smallest first), e.g. "
+                      f"{result.dropped[0].layout.label()}: {result.dropped[0].reason}")

@@ -1,0 +1,109 @@
+"""`moetron submit CONFIG [key=value ...] --nodes N --gpus-per-node G ...`: a Slurm batch job that
+trains the config, checkpoints on its time-limit or preemption signal, requeues and resumes."""
+
+from __future__ import annotations
+
+import sys
+
+from moetron.launcher.cli.help import HelpFormatter
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "submit", help="submit a training job to Slurm",
+        description="Submit a Slurm batch job that trains CONFIG: one task per GPU (on CPU-only nodes, "
+                    "the layout's parallel.pp × dp × cp × tp ranks), every task started by srun. Ahead of "
+                    "the time limit, or when preempted, every rank finishes its step and checkpoints; "
+                    "the job then requeues itself (up to --requeue-limit times) and resumes into the "
+                    "same run folder. The batch script and the resolved config are written to "
+                    "<run>/slurm/, so `sbatch <run>/slurm/job.sbatch` submits the same job by hand. "
+                    "Flags left out take the config's `slurm:` section.",
+        formatter_class=HelpFormatter)
+    p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("--nodes", type=int, help="nodes; slurm.nodes when not given")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node, one rank each; 0: CPU-only nodes")
+    p.add_argument("--cpus-per-task", type=int, help="CPU cores per rank")
+    p.add_argument("--partition", help="partition; slurm.partition when not given, else the cluster's default")
+    p.add_argument("--time", help="time limit: minutes, HH:MM:SS or D-HH:MM:SS")
+    p.add_argument("--account", help="account to charge")
+    p.add_argument("--qos", help="quality of service")
+    p.add_argument("--constraint", help="node features, e.g. h100")
+    p.add_argument("--exclusive", action="store_true", default=None, help="whole nodes only")
+    p.add_argument("--requeue-limit", type=int, metavar="K", help="times the job requeues itself after a checkpoint")
+    p.add_argument("--signal-seconds", type=int, metavar="S",
+                   help="seconds before the time limit at which the ranks are told to checkpoint")
+    p.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="auto: the parallel layout `moetron plan` ranks first for this allocation (overrides "
+                        "the config's parallel section, gradient accumulation and activation checkpointing)")
+    p.add_argument("--gpu", default=None,
+                   help="device profile for --layout auto: H100, H200, A100, B200; CPU-only nodes use the "
+                        "calibrated cpu profile (moetron plan --calibrate)")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script; write and submit nothing")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from moetron.launcher.cluster.jobs import Slurm, active_jobs
+    from moetron.launcher.cluster.submit import (
+        SlurmError,
+        apply_flags,
+        build_submission,
+        check_partition,
+        check_run_folder,
+        partitions,
+        record_job,
+        sbatch,
+        write_submission,
+    )
+    from moetron.launcher.config import load_config
+
+    # One rank per GPU: parallel.dp, where the config leaves it out, fills the allocation.
+    flag_ranks = args.nodes * args.gpus_per_node if args.nodes and args.gpus_per_node else None
+    cfg = load_config(args.config, args.overrides, world_size=flag_ranks)
+    slurm_cfg = apply_flags(
+        cfg.slurm, nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
+        partition=args.partition, time=args.time, account=args.account, qos=args.qos,
+        constraint=args.constraint, exclusive=args.exclusive, requeue_limit=args.requeue_limit,
+        signal_seconds=args.signal_seconds)
+    if flag_ranks is None and slurm_cfg.gpus_per_node > 0:  # the allocation came from the config's slurm:
+        cfg = load_config(args.config, args.overrides, world_size=slurm_cfg.nodes * slurm_cfg.gpus_per_node)
+    if args.layout == "auto":
+        from moetron.launcher.perf.planner import auto_layout
+
+        # GPU nodes: one rank per GPU; CPU-only nodes: as many ranks as the config's layout has.
+        ranks = slurm_cfg.nodes * slurm_cfg.gpus_per_node or cfg.parallel.world_size
+        per_node = slurm_cfg.gpus_per_node or max(ranks // slurm_cfg.nodes, 1)
+        profile = args.gpu or ("cpu" if slurm_cfg.gpus_per_node == 0 else "H100")
+        chosen = auto_layout(args.config, args.overrides, ranks, profile, gpus_per_node=per_node)
+        print(f"moetron submit: --layout auto chose {' '.join(chosen)}", file=sys.stderr)
+        cfg = load_config(args.config, [*args.overrides, *chosen], world_size=ranks)
+    sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
+    # A dry run works away from a cluster too: where no controller answers it only warns.
+    try:
+        known = partitions()
+    except SlurmError as e:
+        if not args.dry_run:
+            raise
+        print(f"moetron submit: warning: partition not checked ({e})", file=sys.stderr)
+    else:
+        check_partition(slurm_cfg.partition, known)
+    if args.dry_run:
+        sys.stdout.write(sub.script)
+        print(f"moetron submit: dry run, nothing written or submitted; the script would go to {sub.script_path}",
+              file=sys.stderr)
+        return 0
+
+    slurm = Slurm()
+    check_run_folder(sub.config, lambda path: active_jobs(slurm, path))
+    script = write_submission(sub)
+    job_id = sbatch(script)
+    record_job(sub, job_id, slurm_cfg)
+    print(f"submitted job {job_id}: {sub.tasks} rank(s) on {slurm_cfg.nodes} node(s)")
+    print(f"run folder:   {sub.run_path}")
+    print(f"script:       {script}")
+    print(f"log:          {sub.folder / f'{job_id}.out'}   (moetron logs {job_id} -f)")
+    print(f"status:       moetron status {job_id}")
+    return 0

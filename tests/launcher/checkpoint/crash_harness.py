@@ -1,0 +1,204 @@
+"""SIGKILL a training run at random moments while it writes checkpoints, resume, and compare.
+
+    python tests/launcher/checkpoint/crash_harness.py OUT_DIR [--trials-per-mode N] [--modes sync-1 async-4 ...]
+
+One driver process imports torch and moetron once, runs no tensor op itself, and forks every
+rank of every run from there (a fork costs milliseconds; an import costs seconds). For each mode
+(sync or async saves, 1 or 4 ranks) it trains one uninterrupted reference run, then N trials:
+start the same run, SIGKILL every rank at a random moment, read what the kill left on disk (the
+phase of the save it interrupted), resume with `--resume auto` semantics to the last step, and
+compare every logged loss with the reference. A checkpoint every step keeps a save in flight most
+of the time. Random kills land almost always in the shard writes, the longest phase; so each mode
+also has one trial per phase in which the save of a random step stops there (the checkpoint's
+STALL_ENV hook) and the kill comes once the disk shows it. One JSON line per trial and a summary
+go to stdout.
+
+Kill points, read off the disk after the kill (the save at the newest step being written):
+  shards    a .tmp-step-* folder without this save's manifest (shards, rng, state being written)
+  manifest  the merged manifest.json written, COMPLETE not yet
+  rename    COMPLETE written, the folder not yet renamed
+  latest    renamed, the `latest` pointer not yet moved
+  between   no save in flight (training, or pruning an old checkpoint)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from moetron.launcher.checkpoint.store import COMPLETE, STALL_ENV, complete_checkpoints
+from moetron.launcher.config import load_config
+from moetron.launcher.data.corpus import write_shards
+from moetron.launcher.data.tokenizer import ByteTokenizer
+
+TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
+STEPS = 5
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+         "model.moe.d_expert=32", "model.moe.num_experts=4", "train.seq_len=16", "train.batch_size=8",
+         "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "train.warmup_steps=2",
+         "train.threads=1", "train.precision=fp32", f"train.steps={STEPS}", "train.checkpoint.every=1",
+         "train.checkpoint.keep=2"]
+MODES = {  # name → (ranks, overrides)
+    "sync-1": (1, []),
+    "async-1": (1, ["train.checkpoint.async=true"]),
+    "sync-4": (4, ["parallel.dp=4", "parallel.ep=2"]),
+    "async-4": (4, ["parallel.dp=4", "parallel.ep=2", "train.checkpoint.async=true"]),
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PHASES = ("shards", "manifest", "rename", "latest")
+
+
+def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> list[int]:
+    """Fork `ranks` processes that train the config (resuming what the run folder holds)."""
+    port, pids = free_port(), []
+    for rank in range(ranks):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, 1)
+                os.dup2(devnull, 2)
+                if stall:
+                    os.environ[STALL_ENV] = stall
+                if ranks > 1:
+                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+                                      LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                from moetron.launcher.train.trainer import train
+
+                train(load_config(TINY, cfg_overrides), console=lambda *_: None)
+                code = 0
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    return pids
+
+
+def wait_all(pids: list[int], timeout: float = 300) -> list[int]:
+    deadline, codes = time.time() + timeout, {}
+    while len(codes) < len(pids):
+        for pid in pids:
+            if pid not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[pid] = os.waitstatus_to_exitcode(status)
+        if time.time() > deadline:
+            for pid in pids:
+                if pid not in codes:
+                    os.kill(pid, signal.SIGKILL)
+            raise TimeoutError("a run did not finish")
+        time.sleep(0.02)
+    return [codes[p] for p in pids]
+
+
+def kill_point(ckpts: Path) -> tuple[str, int | None]:
+    """Which phase of which save the kill interrupted, from what is on disk."""
+    tmps = sorted(ckpts.glob(".tmp-step-*"))
+    done = complete_checkpoints(ckpts)
+    pointer = (ckpts / "latest").read_text().strip() if (ckpts / "latest").is_file() else None
+    if tmps:
+        tmp = tmps[-1]
+        step = int(tmp.name.split("-")[-1])
+        if (tmp / COMPLETE).is_file():
+            return "rename", step
+        if (tmp / "manifest.json").is_file():
+            return "manifest", step
+        return "shards", step
+    if done and done[-1].name != pointer:
+        return "latest", int(done[-1].name.split("-")[-1])
+    return "between", None
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+def prepare_data(folder: Path) -> str:
+    rng = np.random.default_rng(0)
+    text = " ".join("".join(rng.choice(list("abcdefgh "), size=40)) for _ in range(400))
+    tok = ByteTokenizer()
+    ids = np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16)
+    write_shards(folder / "corpus", {"train": ids, "val": ids[:2000]}, tok)
+    return str(folder / "corpus")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out", type=Path)
+    p.add_argument("--trials-per-mode", type=int, default=6,
+                   help="random kills per 1-rank mode (a quarter of it, at least 1, per 4-rank mode)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    data = prepare_data(args.out)
+    summary = {"trials": 0, "points": {}, "lost": 0, "mismatched": 0}
+    for mode in args.modes:
+        ranks, extra = MODES[mode]
+        base = [*SMALL, *extra, f"data.source={data}", f"train.run_dir={args.out / mode}"]
+        t0 = time.perf_counter()
+        assert wait_all(start([*base, "train.name=reference"], ranks)) == [0] * ranks, f"{mode}: reference failed"
+        full_run = time.perf_counter() - t0
+        reference = losses(args.out / mode / "reference")
+        # 4-rank runs cost ~4× a 1-rank run on 2 cores: fewer random kills there.
+        random_kills = args.trials_per_mode if ranks == 1 else max(args.trials_per_mode // 4, 1)
+        plans = [None] * random_kills + [(rng.randint(2, STEPS - 1), phase) for phase in PHASES]
+        for trial, plan in enumerate(plans):
+            name = f"trial{trial}"
+            ckpts = args.out / mode / name / "checkpoints"
+            pids = start([*base, f"train.name={name}"], ranks, stall=plan and f"{plan[0]}:{plan[1]}")
+            if plan is None:
+                # Start-up takes ~40% of a run here; kill anywhere in the rest.
+                time.sleep(rng.uniform(0.35, 0.98) * full_run)
+            else:
+                deadline = time.time() + 120
+                while time.time() < deadline and not (ckpts.is_dir() and kill_point(ckpts) == plan[::-1]):
+                    time.sleep(0.01)
+            for pid in pids:
+                with_suppressed(lambda: os.kill(pid, signal.SIGKILL))
+            wait_all(pids)
+            point, writing = kill_point(ckpts) if ckpts.is_dir() else ("before the first save", None)
+            done = complete_checkpoints(ckpts) if ckpts.is_dir() else []
+            newest = int(done[-1].name.split("-")[-1]) if done else 0
+            # Saves are every step: every step before the one being written must be on disk.
+            expected = (writing - 1) if writing is not None else newest
+            lost = max(expected - newest, 0) if point != "before the first save" else 0
+            codes = wait_all(start([*base, f"train.name={name}"], ranks))
+            got = losses(args.out / mode / name) if codes == [0] * ranks else {}
+            same = got == reference
+            summary["trials"] += 1
+            summary["points"][point] = summary["points"].get(point, 0) + 1
+            summary["lost"] += lost
+            summary["mismatched"] += not same
+            print(json.dumps({"mode": mode, "trial": trial, "planned": plan and list(plan), "kill_point": point, "writing_step": writing,
+                              "resumed_from": newest, "checkpoints_lost": lost, "resume_exit": codes,
+                              "losses_equal": same}), flush=True)
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0 if summary["lost"] == 0 and summary["mismatched"] == 0 else 1
+
+
+def with_suppressed(fn) -> None:
+    try:
+        fn()
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())

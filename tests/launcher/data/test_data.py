@@ -1,0 +1,136 @@
+"""Corpus, split, token shards and the resumable sampler."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from moetron.launcher.data.corpus import (
+    WindowSampler,
+    is_validation,
+    load_token_data,
+    stdlib_documents,
+    tokenize_split,
+    validation_batches,
+)
+from moetron.launcher.data.tokenizer import ByteTokenizer, load_tokenizer
+
+
+def test_stdlib_corpus_is_the_interpreters_source_without_tests():
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = [name for name, _ in stdlib_documents()]
+    assert "os.py" in names and "json/decoder.py" in names
+    assert not [n for n in names if "/test/" in f"/{n}" or "/tests/" in f"/{n}" or "idle_test" in n]
+    expected = sum(1 for p in root.rglob("*.py")
+                   if not {"test", "tests", "idle_test"} & set(p.relative_to(root).parts[:-1])
+                   and p.relative_to(root).parts[0] not in ("site-packages", "dist-packages"))
+    assert len(names) == expected
+    assert names == sorted(names)
+
+
+def test_the_corpus_walk_skips_third_party_and_test_folders(tmp_path):
+    from moetron.launcher.data.corpus import _stdlib_sources
+
+    for rel in ("os.py", "json/decoder.py", "site-packages/torch/x.py", "dist-packages/y.py", "test/t.py",
+                "idlelib/idle_test/t.py", "json/tests/t.py", "lib2to3/site-packages.py", "notes.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("")
+    found = sorted(str(p) for p in _stdlib_sources(tmp_path))
+    assert found == ["json/decoder.py", "lib2to3/site-packages.py", "os.py"]
+
+
+def test_split_is_deterministic_and_disjoint():
+    docs = [(f"doc{i}", f"text {i} " * 10) for i in range(400)]
+    tok = ByteTokenizer()
+    a = tokenize_split(docs, tok, 0.1)
+    b = tokenize_split(list(reversed(docs))[::-1], tok, 0.1)
+    assert np.array_equal(a["train"], b["train"]) and np.array_equal(a["val"], b["val"])
+    val_docs = [name for name, _ in docs if is_validation(name, 0.1)]
+    assert 10 < len(val_docs) < 80  # ~10% of 400
+    # every document ends with eos, so the number of eos tokens counts the documents
+    assert (a["val"] == tok.eos_id).sum() == len(val_docs)
+    assert (a["train"] == tok.eos_id).sum() == 400 - len(val_docs)
+
+
+def test_sampler_state_restores_the_exact_sequence():
+    shards = [np.arange(1000, dtype=np.uint16), np.arange(5000, 5700, dtype=np.uint16)]
+    a = WindowSampler(shards, seq_len=16, seed=3)
+    a.next_batch(50)
+    state = a.state_dict()
+    expected = a.next_batch(200)  # crosses an epoch boundary (104 windows per epoch)
+    b = WindowSampler(shards, seq_len=16, seed=3)
+    b.load_state_dict(json.loads(json.dumps(state)))
+    assert np.array_equal(b.next_batch(200).numpy(), expected.numpy())
+
+
+def test_windows_are_contiguous_and_never_cross_shards():
+    shards = [np.arange(100, dtype=np.uint16), np.arange(1000, 1100, dtype=np.uint16)]
+    s = WindowSampler(shards, seq_len=9, seed=0)
+    batch = s.next_batch(s.num_windows).numpy()
+    assert np.all(np.diff(batch, axis=1) == 1)
+    # (100 - 1) // 9 = 11 windows of 10 tokens per shard; the last one ends exactly at the shard's end
+    assert sorted(batch[:, 0].tolist()) == [9 * i for i in range(11)] + [1000 + 9 * i for i in range(11)]
+
+
+def test_validation_batches_are_fixed():
+    shards = [np.arange(10_000, dtype=np.uint16)]
+    a = validation_batches(shards, 32, 4, 3)
+    b = validation_batches(shards, 32, 4, 3)
+    assert len(a) == 3 and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_prepare_writes_memory_mapped_shards(tmp_path):
+    (tmp_path / "a.txt").write_text("hello world\n" * 50)
+    (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} ünïcode"}) for i in range(300)))
+    out = tmp_path / "out" / "corpus"
+    proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", str(tmp_path / "a.txt"),
+                           str(tmp_path / "b.jsonl"), "--out", str(out)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    header = json.loads(out.with_name("corpus.json").read_text())
+    assert header["format"] == "moetron.tokens" and header["dtype"] == "uint16"
+    data = load_token_data(str(out))
+    tokens = np.concatenate([*data.train, *data.val])
+    tok = ByteTokenizer()
+    expected = len(("hello world\n" * 50).encode()) + sum(len(f"record {i} ünïcode".encode()) for i in range(300)) + 301
+    assert len(tokens) == expected
+    assert tok.decode(data.train[0][:200]).count("record") + tok.decode(data.val[0][:200]).count("record") > 0
+
+
+def test_prepare_with_a_trained_bpe_and_reusing_its_tokenizer_json(tmp_path):
+    text = "def function(argument):\n    return argument + 1\n" * 200
+    (tmp_path / "code.txt").write_text(text)
+    out = tmp_path / "bpe"
+    run = lambda *a: subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", *a],  # noqa: E731
+                                    capture_output=True, text=True)
+    proc = run(str(tmp_path / "code.txt"), "--out", str(out), "--tokenizer", "bpe", "--vocab-size", "300")
+    assert proc.returncode == 0, proc.stderr
+    tok_json = tmp_path / "bpe.tokenizer.json"
+    tok = load_tokenizer(str(tok_json))
+    assert tok.decode(tok.encode(text[:100])) == text[:100]
+    data = load_token_data(str(out))
+    assert len(np.concatenate([*data.train, *data.val])) < len(text) / 2  # BPE compresses repeated code
+    proc = run(str(tmp_path / "code.txt"), "--out", str(tmp_path / "again"), "--tokenizer", str(tok_json))
+    assert proc.returncode == 0, proc.stderr
+    again = load_token_data(str(tmp_path / "again"))
+    assert np.array_equal(np.concatenate(again.train + again.val), np.concatenate(data.train + data.val))
+
+    # Shards and their tokenizer copied to another machine's file system still load: the header
+    # names the tokenizer relative to itself.
+    header = json.loads((tmp_path / "bpe.json").read_text())
+    assert header["tokenizer"]["path"] == "bpe.tokenizer.json"
+    moved = tmp_path / "cluster" / "corpora"
+    moved.mkdir(parents=True)
+    for f in tmp_path.glob("bpe.*"):
+        f.rename(moved / f.name)
+    copied = load_token_data(str(moved / "bpe"))
+    assert np.array_equal(np.concatenate(copied.train + copied.val), np.concatenate(data.train + data.val))
+    assert copied.tokenizer.decode(copied.tokenizer.encode(text[:100])) == text[:100]
+
+
+def test_prepare_refuses_missing_input(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", "nope.txt", "--out", str(tmp_path / "x")],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "nope.txt: no such file" in proc.stderr
