@@ -173,12 +173,14 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 def measure(name: str) -> dict:
-    """One warm-up step, then one counted step of layout `name`; the counts summed over ranks."""
+    """One warm-up step, then one counted step of layout `name`; the counts summed over ranks, and
+    the seconds both took."""
     import torch.distributed as dist
 
     from moetron.launcher.train.optim import optimizer_for
     from moetron.launcher.train.trainer import StopFlag, build_parallel_model, train_step
 
+    t0 = time.perf_counter()
     cfg = layout_config(name)
     t = cfg.train
     device = torch.device("cpu")
@@ -205,25 +207,7 @@ def measure(name: str) -> dict:
         for op, n in e["ops"].items():
             ops[op] += n
     return {"layout": name, "measured": total, "local_calls": sum(e["local_calls"] for e in everyone),
-            "ops": dict(ops)}
-
-
-def worker(names: list[str]) -> int:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for name in names:
-            t0 = time.perf_counter()
-            result = measure(name)
-            result["seconds"] = round(time.perf_counter() - t0, 2)
-            if dist.get_rank() == 0:
-                print(json.dumps(result), flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
+            "ops": dict(ops), "seconds": round(time.perf_counter() - t0, 2)}
 
 
 # -- driving and reporting (one process) -----------------------------------------------------
@@ -258,7 +242,9 @@ def main() -> None:
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        raise SystemExit(worker(args.worker))
+        from gloo_ranks import each_on_gloo  # bench/gloo_ranks.py, beside this script
+
+        raise SystemExit(each_on_gloo(measure, args.worker))
     t0 = time.perf_counter()
     runs = launch(args.layouts)
     wall = time.perf_counter() - t0

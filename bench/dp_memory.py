@@ -11,7 +11,7 @@ reads, on every rank, the bytes it holds:
              only inside a block's forward and backward, so they are not counted)
   grads      the local gradients right after backward (before the optimizer and zero_grad)
   optimizer  the AdamW state tensors after the step
-The table shows the largest rank; "estimate" is `moetron.launcher.perf.flops.memory_per_rank` for the same
+The table shows the largest rank; "estimate" is `moetron.launcher.perf.memory.memory_per_rank` for the same
 layout. Activations are not measured here (the CPU allocator gives no per-tensor peak).
 """
 
@@ -73,22 +73,6 @@ def measure(config: str, mode: str) -> dict:
             "estimate": {k: estimate[k] for k in ("weights", "grads", "optimizer")}}
 
 
-def worker(config: str, modes: list[str]) -> int:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for mode in modes:
-            result = measure(config, mode)
-            if dist.get_rank() == 0:
-                print(json.dumps(result), flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
-
-
 def table(results: list[dict]) -> str:
     mib = 2**20
     lines = ["| DP4 mode | weights MiB (est.) | grads MiB (est.) | AdamW state MiB (est.) | total MiB |",
@@ -107,7 +91,9 @@ def main() -> None:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        raise SystemExit(worker(args.config, args.modes))
+        from gloo_ranks import each_on_gloo  # bench/gloo_ranks.py, beside this script
+
+        raise SystemExit(each_on_gloo(lambda mode: measure(args.config, mode), args.modes))
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}",
             __file__, "--worker", "--config", args.config, "--modes", *args.modes]
     proc = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

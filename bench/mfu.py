@@ -23,8 +23,8 @@ from moetron.launcher.config import load_config
 from moetron.launcher.perf.flop_counter import ComponentFlopCounter, single_process_step
 from moetron.launcher.perf.flops import flops_per_token, flops_per_token_6n
 from moetron.launcher.perf.mfu import CPU_PEAK_SHAPES, device_peak, memory_gib, time_matmul
+from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.optim import build_optimizer
-from moetron.launcher.train.trainer import resolve_device, use_bf16
 from moetron.model.transformer import build_model
 from moetron.parallel.parallelize import apply_compile
 

@@ -152,22 +152,6 @@ def expert_imbalance(moe: dict, par) -> float:
     return float(per_rank.max() / per_rank.mean())
 
 
-def worker(names: list[str], steps: int) -> int:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for name in names:
-            result = measure(name, steps)
-            if dist.get_rank() == 0:
-                print(json.dumps(result), flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    return 0
-
-
 def predicted(name: str, expert_imbalance: float = 1.0) -> dict:
     from moetron.launcher.perf.comm_volume import predict_step
     from moetron.launcher.perf.device_profiles import get_profile
@@ -201,7 +185,9 @@ def main() -> None:
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        raise SystemExit(worker(args.worker, args.steps))
+        from gloo_ranks import each_on_gloo  # bench/gloo_ranks.py, beside this script
+
+        raise SystemExit(each_on_gloo(lambda name: measure(name, args.steps), args.worker))
     from moetron.launcher.perf.device_profiles import get_profile
 
     profile = get_profile("cpu")  # fails early, with the command to run, when not calibrated

@@ -1,10 +1,11 @@
 """Compile the shipped kernel configurations for a GPU target on a machine without a GPU.
 
-Each Triton module lists its configurations as `KernelSpec`s with arguments shaped like a real
-call; here they are specialized exactly as Triton's launcher would (ints equal to 1 become
-constants, pointers and multiples of 16 are marked 16-divisible) and compiled with the bundled
-ptxas. A configuration that needs more shared memory than the target has would fail to launch on
-the GPU; `python -m moetron.kernels.aot` prints one JSON line per configuration with what it needs.
+Each Triton module lists its configurations as `KernelSpec`s (kernels/kernel_spec.py) with
+arguments shaped like a real call; here they are specialized exactly as Triton's launcher would
+(ints equal to 1 become constants, pointers and multiples of 16 are marked 16-divisible) and
+compiled with the bundled ptxas. A configuration that needs more shared memory than the target has
+would fail to launch on the GPU; `python -m moetron.kernels.aot` prints one JSON line per
+configuration with what it needs.
 
 It must run in a process where TRITON_INTERPRET is unset: under the interpreter `triton.jit`
 returns functions that cannot be compiled.
@@ -14,23 +15,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from moetron.kernels.kernel_spec import KernelSpec
+
 # Shared memory one thread block may use on Hopper (H100/H200): 227 KiB.
 SM90_MAX_SHARED_BYTES = 232448
-
-
-@dataclass(frozen=True)
-class KernelSpec:
-    name: str
-    kernel: Any  # a triton.JITFunction
-    args: dict  # runtime argument -> torch.dtype (a pointer to it), int or float, as in a real call
-    constexprs: dict
-    num_warps: int
-    num_stages: int
 
 
 def compile_spec(spec: KernelSpec, arch: int = 90):

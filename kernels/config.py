@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+# What every config section's `problems()` returns, one per broken rule: (key, value, rule). Kept
+# here, in the section every other one may import (kernels → model → parallel → launcher).
 Problem = tuple[str, object, str]
 
 

@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetron.kernels.aot import KernelSpec
 from moetron.kernels.backend import device_guard, upcast
+from moetron.kernels.kernel_spec import KernelSpec
 
 LOG2E = 1.4426950408889634
 
@@ -446,7 +446,7 @@ def compile_specs():
     heads over 8 KV heads, 4k positions), for compiling ahead of time (see moetron.kernels.aot).
     Each is compiled causal without ALiBi, the training case; bf16 D=128 also full with ALiBi,
     to compile those code paths too (they use the same tiles)."""
-    B, H, G, S = 1, 32, 8, 4096
+    H, G, S = 32, 8, 4096  # batch strides as for one sequence: a kernel never steps past it
     for (size, D), cfgs in SHIPPED_CONFIGS.items():
         dtype = {2: torch.bfloat16, 4: torch.float32}[size]
         q_strides = dict(stride_qb=H * S * D, stride_qh=S * D, stride_qs=D)

@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetron.kernels.aot import KernelSpec
 from moetron.kernels.backend import device_guard, upcast
+from moetron.kernels.kernel_spec import KernelSpec
 
 
 @dataclass(frozen=True)

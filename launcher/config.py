@@ -17,11 +17,9 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from moetron.kernels.config import KernelConfig
+from moetron.kernels.config import KernelConfig, Problem
 from moetron.model.config import ModelConfig
 from moetron.parallel.config import ParallelConfig
-
-Problem = tuple[str, object, str]
 
 
 class ConfigError(ValueError):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetron.model.parallel_hooks import ParallelHooks
 from moetron.model.positions import RelativePositionBias, alibi_bias, apply_rope
 
 
@@ -99,10 +100,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
-        # Context parallelism swaps in an object whose `gather_kv(k_BGSDh, v_BGSDh)` returns the
-        # keys and values of every position of the sequences, in global order
-        # (parallel/context_parallel.py). None: the S local positions are the whole sequence.
-        self.kv_exchange = None
+        # kv_exchange (context parallelism): gathers the keys and values of every position of the
+        # sequences, in global order. None: the S local positions are the whole sequence.
+        self.hooks = ParallelHooks()
 
     def forward(
         self,
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         (a decode step: the newest position against every cached one).
 
         `positions_S`: the global positions of the S queries when they are not 0..S−1 (context
-        parallelism: two chunks of a longer sequence, whose keys `kv_exchange` gathers). The mask
+        parallelism: two chunks of a longer sequence, whose keys `hooks.kv_exchange` gathers). The mask
         and the ALiBi bias are then built from them, so only the explicit-bias paths apply (eager,
         or SDPA with a mask, also for backend "triton"): the causal fast paths assume the queries
         and keys are the same aligned square.
@@ -134,8 +134,8 @@ class Attention(nn.Module):
         if cache is not None:
             k_BGSDh, v_BGSDh = cache.append(k_BGSDh, v_BGSDh)
         if positions_S is not None:
-            if self.kv_exchange is not None:
-                k_BGSDh, v_BGSDh = self.kv_exchange.gather_kv(k_BGSDh, v_BGSDh)
+            if self.hooks.kv_exchange is not None:
+                k_BGSDh, v_BGSDh = self.hooks.kv_exchange.gather_kv(k_BGSDh, v_BGSDh)
             o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S, t5_bias)
             return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
         o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, t5_bias)

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-Problem = tuple[str, object, str]
+from moetron.kernels.config import Problem
 
 
 @dataclass(frozen=True, kw_only=True)

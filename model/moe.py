@@ -3,14 +3,16 @@
 Legend: B batch, S sequence, T = B·S tokens, D model dim, K top-k, A = T·K routes, R rows the
 experts receive (A, plus padding rows), E experts.
 
-The dispatcher is a swappable object: `LocalDispatcher` permutes tokens by expert inside one
-process; expert parallelism replaces it with one that exchanges tokens by all-to-all. The layer
-itself never communicates.
+The dispatcher is a swappable object behind one contract, `Dispatcher`: `LocalDispatcher`
+permutes tokens by expert inside one process; expert parallelism puts one that exchanges tokens by
+all-to-all in the layer's `hooks` (model/parallel_hooks.py). The layer itself never communicates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -18,7 +20,34 @@ from torch import nn
 from moetron.model.config import ModelConfig
 from moetron.model.experts import GroupedExperts
 from moetron.model.layers import FeedForward
+from moetron.model.parallel_hooks import ParallelHooks
 from moetron.model.router import Router, Routing, routes_per_expert
+
+# Rows each expert's group is best padded to, for tokens x_TD whose groups hold `rows_per_group`
+# routes on average (GroupedExperts.group_row_multiple).
+RowMultiple = Callable[[torch.Tensor, float], int]
+
+
+class Dispatcher(Protocol):
+    """How the routes of this process's tokens reach the experts and their outputs come back.
+
+    Shapes (legend above; El experts computed here: E on one process, E / ep under expert
+    parallelism). `dispatch` takes x_TD (T, D) and their `routing` and returns (x_RD, offsets_El,
+    state): x_RD (R, D) the rows the experts here compute, grouped by expert; offsets_El (El,)
+    int32, the end row of each expert's group (rows past offsets_El[-1] are not computed); state,
+    opaque to the layer, what `combine` needs to undo the dispatch. `combine` takes y_RD (R, D),
+    the experts' outputs for those rows, and returns y_TD (T, D): each token's routes weighted by
+    their combine weights and summed (dropped routes add 0). Both are differentiable.
+    """
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Any]: ...
+
+    def combine(self, y_RD: torch.Tensor, state: Any) -> torch.Tensor: ...
+
+    def spread(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(kept routes per token sent to another process, processes each token's kept routes
+        reach), means over the T tokens; None when nothing leaves the process."""
+        ...
 
 
 @dataclass
@@ -73,20 +102,27 @@ class _CombineRoutes(torch.autograd.Function):
 
 
 class LocalDispatcher:
-    """Permute the routes so each expert's tokens are contiguous; no communication."""
+    """Permute the routes so each expert's tokens are contiguous; no communication.
 
-    def dispatch(self, x_TD: torch.Tensor, routing: Routing,
-                 row_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
+    `row_multiple` (the MoE layer gives its experts' `group_row_multiple`) says, from the tokens
+    and the mean group size, what each expert's group is padded to; None: exact groups.
+    """
+
+    def __init__(self, row_multiple: RowMultiple | None = None):
+        self.row_multiple = row_multiple
+
+    def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, DispatchState]:
         """→ x_RD sorted by expert, offsets_E (int32 end row per expert), state for combine.
 
         Every route keeps a row, so shapes do not depend on the routing: dropped routes (capacity)
         sort after the last expert's group, where the grouped GEMM computes nothing (their rows
-        come out zero). row_multiple > 1 rounds each expert's group up to a multiple of that many
+        come out zero). A row multiple > 1 rounds each expert's group up to a multiple of that many
         rows (the grouped GEMM's preferred sizes, `group_row_multiple`): padding rows copy token 0
         with weight 0, so they add nothing to the output and get no gradient.
         """
         num_experts = routing.probs_TE.shape[1]
         T, K = routing.expert_TK.shape
+        row_multiple = 1 if self.row_multiple is None else self.row_multiple(x_TD, T * K / num_experts)
         # Route a = t·K + k; a dropped route counts as expert E, after every real one.
         expert_A = routing.expert_TK.reshape(-1).masked_fill(~routing.kept_TK.reshape(-1), num_experts)
         order_A = torch.argsort(expert_A, stable=True)  # the route in each row
@@ -148,22 +184,19 @@ class MoELayer(nn.Module):
         self.shared = (FeedForward(cfg.d_model, moe.shared_expert_d_ff, cfg.activation, cfg.bias)
                        if moe.shared_expert_d_ff else None)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.dispatcher = LocalDispatcher()
+        # Groups padded as the experts' multiply prefers; expert parallelism swaps the dispatcher.
+        self.hooks = ParallelHooks(dispatcher=LocalDispatcher(self.experts.group_row_multiple))
 
     def forward(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, MoEStats]:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.router(x_TD, num_sequences=x_BSD.shape[0])
-        if isinstance(self.dispatcher, LocalDispatcher):
-            rows = self.experts.group_row_multiple(x_TD, routing.expert_TK.numel() / routing.probs_TE.shape[1])
-            x_RD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing, row_multiple=rows)
-        else:
-            # Expert parallelism: the received rows' layout is fixed by the exchange.
-            x_RD, offsets_E, state = self.dispatcher.dispatch(x_TD, routing)
+        dispatcher = self.hooks.dispatcher
+        x_RD, offsets_E, state = dispatcher.dispatch(x_TD, routing)
         y_RD = self.experts(x_RD, offsets_E)
-        y_TD = self.dispatcher.combine(y_RD, state).to(x_BSD.dtype)
+        y_TD = dispatcher.combine(y_RD, state).to(x_BSD.dtype)
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD)
-        spread = self.dispatcher.spread(routing)
+        spread = dispatcher.spread(routing)
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.counts_E, routing.dropped_fraction,
                          routing.entropy, *(spread or ()))
         return self.dropout(y_TD.view_as(x_BSD)), stats

@@ -21,28 +21,24 @@ The balance loss is Switch's over the micro-batch's routes, over the global batc
 The global batch's loads are not known until its last micro-batch has routed, and a micro-batch's
 backward may run before the next forward (accumulation, 1F1B), so, as Megatron-Core's
 global_aux_loss does, micro-batch j takes f from the routes of micro-batches 1..j of the step on
-every data-parallel rank (`Router.batch_sum` adds the other ranks'): the last one's f is the whole
-global batch's. The probabilities P stay the micro-batch's own. Under context parallelism a rank holds only some positions of each
-sequence: `Router.sequence_sum` then sums the loss's statistics (routes and score sums per expert,
-per sequence for the sequence loss, and token counts) over the ranks holding the rest, so the loss is
-the one process's; capacity is still taken on the local tokens.
+every data-parallel rank (the router's `hooks.batch_sum` adds the other ranks'): the last one's f
+is the whole global batch's. The probabilities P stay the micro-batch's own. Under context
+parallelism a rank holds only some positions of each sequence: the router's `hooks.sequence_sum`
+then sums the loss's statistics (routes and score sums per expert, per sequence for the sequence
+loss, and token counts) over the ranks holding the rest, so the loss is the one process's; capacity
+is still taken on the local tokens.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from moetron.model.config import MoEConfig
-
-# A differentiable sum of a tensor over the ranks that hold the other positions of the same sequences.
-SequenceSum = Callable[[torch.Tensor], torch.Tensor]
-# A sum of routes per expert (E,) over the ranks that route the other micro-batches of the global batch.
-BatchSum = Callable[[torch.Tensor], torch.Tensor]
+from moetron.model.parallel_hooks import ParallelHooks, SequenceSum
 
 
 @dataclass
@@ -174,9 +170,8 @@ class Router(nn.Module):
 
     With `bias_update_rate` > 0 it holds `expert_bias_E`, a persistent buffer, not a parameter
     (checkpointed and resharded, never in the optimizer), and `routed_E`, the routes per expert of
-    each training forward since the last bias update (one entry per micro-batch, so a pipeline can
-    drop the entries of its shape-inference passes); the trainer sums them over the global batch
-    and calls `update_bias`.
+    each training forward since the last bias update (one entry per forward); the trainer sums
+    them over the global batch and calls `update_bias`.
 
     With `aux_loss_type: global_batch` it keeps `batch_loads_E`, the global batch's routes per expert
     up to each training micro-batch of the step (a running sum); `start_batch` clears them before a
@@ -192,31 +187,16 @@ class Router(nn.Module):
             self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.expert_bias_E = None
-        # Context parallelism sets this (parallel/context_parallel.py): the balance loss and the
-        # reported route counts are then the whole sequences'. None: the tokens are whole sequences.
-        self.sequence_sum: SequenceSum | None = None
-        # Data parallelism sets this (parallel/global_balance.py) for the global-batch loss. None:
-        # this process routes the whole global batch.
-        self.batch_sum: BatchSum | None = None
+        # sequence_sum (context parallelism): the balance loss and the reported route counts are
+        # the whole sequences'; batch_sum (data parallelism): the global-batch loss's loads are.
+        self.hooks = ParallelHooks()
         self.batch_loads_E: list[torch.Tensor] = []
         self._replayed = 0  # loads handed back to recomputed forwards this step
 
     def forward(self, x_TD: torch.Tensor, num_sequences: int = 1) -> Routing:
         """x_TD: the tokens of `num_sequences` sequences, sequence-major (B·S rows)."""
         cfg = self.cfg
-        if self.training and cfg.jitter > 0:
-            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
-        # Routing decisions are precision-sensitive: logits and scores in fp32 (as in Switch) or
-        # wider, so a float64 layer stays float64 end to end (gradcheck).
-        dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
-        scores_TE = logits_TE.softmax(dim=-1) if cfg.score == "softmax" else logits_TE.sigmoid()
-        choice_TE = scores_TE.detach()
-        if self.expert_bias_E is not None:
-            choice_TE = choice_TE + self.expert_bias_E.to(dtype)
-        if cfg.num_groups:
-            choice_TE = group_limited(choice_TE, cfg.top_k, cfg.num_groups, cfg.topk_groups)
-        expert_TK = torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+        logits_TE, scores_TE, expert_TK = self._choose(x_TD)
         top_scores_TK = scores_TE.gather(1, expert_TK)
 
         counts_E = routes_per_expert(expert_TK, cfg.num_experts)
@@ -229,11 +209,11 @@ class Router(nn.Module):
         recomputed = (count_bias or global_batch) and torch._C._current_graph_task_id() != -1
         if count_bias and not recomputed:
             self.routed_E.append(counts_E.detach())
-        if global_batch:  # before sequence_sum: batch_sum adds every other rank's tokens, cp ranks too
-            load_E = self._batch_load(counts_E, recomputed)
-        if self.sequence_sum is not None:
+        # Before sequence_sum: batch_sum adds every other rank's tokens, cp ranks too.
+        load_E = self._batch_load(counts_E, recomputed) if global_batch else None
+        if self.hooks.sequence_sum is not None:
             # After the bias's count, which must stay local: update_expert_biases sums over every rank.
-            counts_E = self.sequence_sum(counts_E)
+            counts_E = self.hooks.sequence_sum(counts_E)
         # Under context parallelism, capacity is taken on the local tokens (as Megatron does).
         capacity = expert_capacity(x_TD.shape[0], cfg)
         if capacity is None:
@@ -251,19 +231,42 @@ class Router(nn.Module):
         # normalized per token for them (megatron-core's compute_routing_scores_for_aux_loss).
         probs_TE = scores_TE if cfg.score == "softmax" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
         zero = logits_TE.new_zeros(())
-        if not cfg.aux_loss_coef:
-            aux = zero
-        elif global_batch:
-            aux = cfg.aux_loss_coef * global_balancing_loss(probs_TE, load_E, self.sequence_sum)
-        elif cfg.aux_loss_type == "sequence":
-            aux = cfg.aux_loss_coef * sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k, self.sequence_sum)
-        else:
-            aux = cfg.aux_loss_coef * load_balancing_loss(probs_TE, counts_E, cfg.top_k, self.sequence_sum)
+        aux = (cfg.aux_loss_coef * self._balance_loss(probs_TE, counts_E, load_E, num_sequences)
+               if cfg.aux_loss_coef else zero)
         z = cfg.z_loss_coef * router_z_loss(logits_TE) if cfg.z_loss_coef else zero
         with torch.no_grad():
             entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
             dropped = 1.0 - kept_TK.float().mean()
         return Routing(expert_TK, weight_TK, kept_TK, probs_TE, aux, z, counts_E.detach(), dropped, entropy)
+
+    def _choose(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """→ (logits_TE, scores_TE, expert_TK): the gate's logits and scores, and each token's
+        top-k experts by score + bias, within its best groups."""
+        cfg = self.cfg
+        if self.training and cfg.jitter > 0:
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - cfg.jitter, 1.0 + cfg.jitter)
+        # Routing decisions are precision-sensitive: logits and scores in fp32 (as in Switch) or
+        # wider, so a float64 layer stays float64 end to end (gradcheck).
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+        scores_TE = logits_TE.softmax(dim=-1) if cfg.score == "softmax" else logits_TE.sigmoid()
+        choice_TE = scores_TE.detach()
+        if self.expert_bias_E is not None:
+            choice_TE = choice_TE + self.expert_bias_E.to(dtype)
+        if cfg.num_groups:
+            choice_TE = group_limited(choice_TE, cfg.top_k, cfg.num_groups, cfg.topk_groups)
+        return logits_TE, scores_TE, torch.topk(choice_TE, cfg.top_k, dim=-1).indices
+
+    def _balance_loss(self, probs_TE: torch.Tensor, counts_E: torch.Tensor, load_E: torch.Tensor | None,
+                      num_sequences: int) -> torch.Tensor:
+        """The configured balance loss, before aux_loss_coef: the global batch's when `load_E`
+        (its routes per expert so far) is given, else per sequence or over these routes."""
+        cfg, sequence_sum = self.cfg, self.hooks.sequence_sum
+        if load_E is not None:
+            return global_balancing_loss(probs_TE, load_E, sequence_sum)
+        if cfg.aux_loss_type == "sequence":
+            return sequence_balancing_loss(probs_TE, num_sequences, cfg.top_k, sequence_sum)
+        return load_balancing_loss(probs_TE, counts_E, cfg.top_k, sequence_sum)
 
     def _batch_load(self, counts_E: torch.Tensor, recomputed: bool) -> torch.Tensor:
         """The global batch's routes per expert up to this micro-batch (float64, exact). A forward
@@ -272,8 +275,8 @@ class Router(nn.Module):
             self._replayed += 1
             return self.batch_loads_E[self._replayed - 1]
         load_E = counts_E.detach().to(torch.float64)
-        if self.batch_sum is not None:
-            load_E = self.batch_sum(load_E)
+        if self.hooks.batch_sum is not None:
+            load_E = self.hooks.batch_sum(load_E)
         if self.batch_loads_E:
             load_E = load_E + self.batch_loads_E[-1]
         self.batch_loads_E.append(load_E)

@@ -18,6 +18,7 @@ from moetron.model.attention import Attention, KVCache
 from moetron.model.config import ModelConfig
 from moetron.model.layers import FeedForward, build_norm
 from moetron.model.moe import MoELayer, MoEStats
+from moetron.model.parallel_hooks import ParallelHooks
 from moetron.model.positions import (
     RelativePositionBias,
     alibi_slopes,
@@ -91,24 +92,21 @@ class Decoder(nn.Module):
         self.register_buffer("alibi_slopes_H", alibi_slopes(cfg.n_heads), persistent=False)
         if cfg.tie_embeddings:
             self.head.weight = self.embed.weight
-        # Hidden-state input (a pipeline stage after the first) holds 1/sequence_shards of the
-        # positions: sequence parallelism splits S between blocks; attention sees all of them.
-        self.sequence_shards = 1
-        # Context parallelism: the local positions are two chunks of each longer sequence, and
-        # this maps their number to their global positions (parallel/context_parallel.py), for
-        # position encodings, the causal mask and ALiBi. None: positions 0..S−1 (+ start_pos).
-        self.token_positions = None
+        # sequence_shards (sequence parallelism) and token_positions (context parallelism): how
+        # many positions a hidden-state input stands for, and which. Default: 0..S−1 (+ start_pos).
+        self.hooks = ParallelHooks()
 
     def forward(self, x: torch.Tensor, *, caches: list[KVCache] | None = None, start_pos: int = 0) -> ModelOutput:
         """x: token ids (B, S) on the first stage, else hidden states (B, S, D). With `caches`,
         positions start at `start_pos` and each layer's keys and values are appended to its cache."""
         cfg = self.cfg
-        S = x.shape[1] if self.embed is not None else x.shape[1] * self.sequence_shards
+        hooks = self.hooks
+        S = x.shape[1] if self.embed is not None else x.shape[1] * hooks.sequence_shards
         attn_kwargs: dict = {}
-        if self.token_positions is not None:
+        if hooks.token_positions is not None:
             if caches is not None:
                 raise ValueError("KV-cache decoding runs on one process, not under context parallelism")
-            positions_S = attn_kwargs["positions_S"] = self.token_positions(S, x.device)
+            positions_S = attn_kwargs["positions_S"] = hooks.token_positions(S, x.device)
         else:
             positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
         h_BSD = self._embed(x, positions_S) if self.embed is not None else x

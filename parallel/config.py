@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Problem = tuple[str, object, str]
+from moetron.kernels.config import Problem
 
 DP_MODES = ("fsdp", "hsdp", "ddp", "zero1")
 

@@ -10,7 +10,7 @@ pieces would give the last rank (2·cp − 1)× the attention work of the first.
 work adds up to the same on every rank. cp = 2, S = 8: rank 0 holds positions 0 1 6 7, rank 1
 holds 2 3 4 5. `ParallelModel` slices inputs and targets this way (`split_sequence`); every
 per-token part of the model (embeddings, norms, FFN, MoE, head, cross entropy) then runs on the Sl
-local positions unchanged, and the Decoder is told their global positions (`token_positions`) for
+local positions unchanged, and the Decoder is told their global positions (`hooks.token_positions`) for
 RoPE, absolute position embeddings, the causal mask and ALiBi.
 
 Exchange (`gather_kv`, every attention layer). Each rank all-gathers its K and V, stacked into one
@@ -25,7 +25,7 @@ squares). Every rank holds all S keys and values of its sequences during one lay
 
 MoE. Routing, capacity (taken on the local tokens, as Megatron does) and the expert exchange see
 this rank's tokens. The balance losses need whole sequences: the routers' statistics are summed
-over the cp group (`sum_over_sequence`, `Router.sequence_sum`), differentiably, so every cp rank
+over the cp group (`sum_over_sequence`, the routers' `hooks.sequence_sum`), differentiably, so every cp rank
 holds the one-process aux loss, and its gradient, scattered back through the collective's
 backward, reaches every rank's router probabilities (cp copies of it, which the dp_cp gradient
 mean divides back). The z-loss is a mean over tokens and the cross entropy one over positions:
@@ -96,13 +96,13 @@ class ContextShard:
 
 def apply_context_parallel(model: Decoder, mesh: ParallelMesh) -> None:
     """Tell `model` (a Decoder or a pipeline stage of it) that it holds this rank's two chunks of
-    each sequence, and install the K/V exchange and the routers' statistics sum, in place."""
+    each sequence, and install the K/V exchange and the routers' statistics sum in their `hooks`."""
     cp = mesh.size("cp")
     if cp == 1:
         return
     shard = ContextShard(mesh.group("cp"), cp, mesh.rank("cp"))
-    model.token_positions = shard.positions
+    model.hooks.token_positions = shard.positions
     for block in model.layers.values():
-        block.attn.kv_exchange = shard
+        block.attn.hooks.kv_exchange = shard
         if isinstance(block.ffn, MoELayer):
-            block.ffn.router.sequence_sum = shard.sum_over_sequence
+            block.ffn.router.hooks.sequence_sum = shard.sum_over_sequence

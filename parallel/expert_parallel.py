@@ -6,7 +6,7 @@ A routes this rank sends (kept routes of its own tokens), R rows this rank recei
 Each MoELayer keeps its single-device code; `apply_expert_parallel` only
   1. shrinks `experts.w_*` from (E, ·, ·) to the (El, ·, ·) slice this ep rank owns: rank p holds
      experts [p·El, (p+1)·El), so a checkpoint key names the same rows on every layout;
-  2. swaps `moe.dispatcher` for an `AllToAllDispatcher`.
+  2. swaps the layer's `hooks.dispatcher` for an `AllToAllDispatcher` (the same `Dispatcher` contract).
 
 The dispatcher reuses the local permutation (routes sorted by global expert id, which is also
 sorted by destination rank), then:
@@ -58,6 +58,7 @@ class AllToAllDispatcher:
         self.ep_rank = dist.get_rank(group)
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep
+        # Exact groups: the rows are sent as they are, with no padding rows among them.
         self.local = LocalDispatcher()
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
@@ -145,12 +146,6 @@ def apply_expert_parallel(model: nn.Module, mesh: ParallelMesh) -> set[str]:
     for name, moe in moe_layers(model):
         num_experts = moe.experts.w_gate_EDF.shape[0]
         shard_experts(moe, ep, ep_rank)
-        moe.dispatcher = AllToAllDispatcher(group, num_experts)
+        moe.hooks.dispatcher = AllToAllDispatcher(group, num_experts)
         sharded |= {f"{name}.experts.{w}" for w in EXPERT_WEIGHTS if getattr(moe.experts, w) is not None}
     return sharded
-
-
-def is_expert_param(name: str) -> bool:
-    """True for routed-expert weights: replicated over TP (split by F with etp = tp), sharded over
-    EP, reduced over "edp"."""
-    return ".experts." in name and name.rsplit(".", 1)[-1] in EXPERT_WEIGHTS

@@ -39,7 +39,7 @@ def apply_global_batch_balance(model: nn.Module, mesh: ParallelMesh) -> None:
         return load_E
 
     for router in _global_routers(model):
-        router.batch_sum = batch_sum
+        router.hooks.batch_sum = batch_sum
 
 
 def start_global_batch(modules: Iterable[nn.Module]) -> None:

@@ -25,7 +25,7 @@ over S (Shard(1), B × S/tp × D per rank); norms and dropout run on the local s
 gradients are summed over tp by DTensor. Entering attention or the dense FFN all-gathers S;
 leaving them reduce-scatters. The MoE layer gathers S too and slices its output back: routing,
 capacity and the load-balancing loss must see the same tokens as on one process. A pipeline stage
-after the first receives the split stream, so it is told (`sequence_shards`) to take its positions
+after the first receives the split stream, so it is told (`hooks.sequence_shards`) to take its positions
 for S·tp tokens.
 """
 
@@ -73,7 +73,7 @@ def apply_tensor_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfi
         plan["t5_bias"] = ColwiseParallel()  # bucket ids (S, L) in, plain (S, L, H/tp) out
     parallelize_module(model, tp_mesh, plan)
     if sp:
-        model.sequence_shards = cfg.tp
+        model.hooks.sequence_shards = cfg.tp
     if model.head is not None and model.embed is not None and model.cfg.tie_embeddings:
         # Both are split by vocabulary rows (Shard(0)), so the tie survives as one DTensor.
         model.head.weight = model.embed.weight

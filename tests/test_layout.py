@@ -1,6 +1,8 @@
-"""The direction of imports (DESIGN.md): configs → kernels → model → parallel → launcher, one way.
+"""The floors and rooms of docs/architecture.md, kept: imports go kernels → model → parallel →
+launcher and, inside launcher/, down the rooms' floors; launcher/ keeps its rooms and at most four
+loose modules; no function in launcher/, model/ or parallel/ is longer than 60 lines.
 
-Walks the source with `ast`, so the rule holds for lazy imports inside functions too.
+Walks the source with `ast`, so the rules hold for lazy imports inside functions too.
 """
 
 import ast
@@ -46,6 +48,57 @@ def test_imports_go_one_way(folder):
             for other in ("model", "kernels", "parallel", "launcher"):
                 # the bare folder names collide with other packages; always go through moetron.
                 assert parts[0] != other, f"{path.relative_to(ROOT)} imports {name}; use moetron.{name}"
+
+
+# What each room of launcher/ may import from launcher/ (docs/architecture.md).
+ROOMS = {
+    "config": set(),
+    "data": {"config"},
+    "perf": {"config"},
+    "checkpoint": {"config", "data"},
+    "run_dir": {"config", "checkpoint"},
+    "cluster": {"config", "run_dir", "checkpoint"},
+    "train": {"config", "data", "perf", "checkpoint", "run_dir", "cluster"},
+    "cli": {"config", "data", "perf", "checkpoint", "run_dir", "cluster", "train"},
+}
+MAX_LOOSE_MODULES = 4
+MAX_FUNCTION_LINES = 60
+
+
+def room_of(path: Path) -> str:
+    """launcher/train/trainer.py → "train"; launcher/config.py → "config"."""
+    rel = path.relative_to(ROOT / "launcher")
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def test_launcher_is_cut_into_its_rooms():
+    loose = sorted(p.stem for p in (ROOT / "launcher").glob("*.py") if p.stem != "__init__")
+    assert len(loose) <= MAX_LOOSE_MODULES, f"launcher/ has {len(loose)} loose modules: {loose}"
+    found = {room_of(p) for p in (ROOT / "launcher").rglob("*.py") if p.stem != "__init__"}
+    assert found == set(ROOMS), f"rooms on disk {sorted(found)} vs docs/architecture.md {sorted(ROOMS)}"
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_launcher_rooms_import_down(room):
+    for path in sorted((ROOT / "launcher").rglob("*.py")):
+        if room_of(path) != room:
+            continue
+        for name in imports_of(path):
+            parts = name.split(".")
+            if parts[:2] == ["moetron", "launcher"] and len(parts) > 2 and parts[2] != room:
+                assert parts[2] in ROOMS[room], f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_functions_fit_one_screen():
+    long = []
+    for folder in ("launcher", "model", "parallel"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_FUNCTION_LINES:
+                        long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "longer than one screen: " + "; ".join(long)
 
 
 def test_no_work_at_import_time(tmp_path):

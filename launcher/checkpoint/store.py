@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +62,6 @@ from moetron.launcher.checkpoint.state import (
 from moetron.parallel.expert_shards import ExpertShards
 
 COMPLETE = "COMPLETE"
-# Fault injection for crash tests: "STEP:PHASE" makes the save of that step stop for an hour at
-# PHASE, so a kill lands there deterministically: "shards" (each rank, its shards and manifest part
-# written), "manifest" (rank 0, merged manifest written, no COMPLETE), "rename" (COMPLETE written,
-# folder not renamed), "latest" (renamed, pointer not moved). "STEP" alone means STEP:shards.
-STALL_ENV = "MOETRON_CHECKPOINT_STALL_AT"
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -77,13 +71,6 @@ def checkpoint_name(step: int) -> str:
 
 def step_of(ckpt: Path) -> int:
     return int(Path(ckpt).name.split("-")[-1])
-
-
-def _stall(step: int, phase: str) -> None:
-    """The crash tests' hook (STALL_ENV); a no-op unless the variable names this step and phase."""
-    wanted = os.environ.get(STALL_ENV)
-    if wanted is not None and (wanted == f"{step}:{phase}" or (phase == "shards" and wanted == str(step))):
-        time.sleep(3600)
 
 
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -207,7 +194,6 @@ class Checkpointer:
         part = tmp / f"{MANIFEST}.rank{self.rank}"
         part.write_text(json.dumps(manifest_part(tmp, names)))
         _fsync(part)
-        _stall(step, "shards")
 
     def poll(self) -> Path | None:
         """The checkpoint in flight, finished, once every rank has written its part; else None.
@@ -250,28 +236,41 @@ class Checkpointer:
         return final
 
     def _publish(self, tmp: Path, final: Path) -> None:
-        """Rank 0, once every rank's part is on disk: manifest → COMPLETE → rename → `latest` → prune."""
+        """Rank 0, once every rank's part is on disk: manifest → COMPLETE → rename → `latest` → prune.
+        A process killed between two phases leaves a state that the next start handles (the crash
+        tests stop a save before each phase method to kill it there)."""
+        self._merge_manifest(tmp)
+        self._mark_complete(tmp, final)
+        self._move_into_place(tmp, final)
+        self._point_latest(final)
+        self._prune(final)
+
+    def _merge_manifest(self, tmp: Path) -> None:
         files: dict[str, Any] = {}
         for r in range(self.world):
-            part = tmp / f"{MANIFEST}.rank{r}"
-            files.update(json.loads(part.read_text()))
+            files.update(json.loads((tmp / f"{MANIFEST}.rank{r}").read_text()))
         write_manifest(tmp, files)
         _fsync(tmp / MANIFEST)
-        _stall(step_of(final), "manifest")
+
+    def _mark_complete(self, tmp: Path, final: Path) -> None:
         (tmp / COMPLETE).write_text(final.name + "\n")
         _fsync(tmp / COMPLETE)
         for r in range(self.world):
             (tmp / f"{MANIFEST}.rank{r}").unlink()
-        _stall(step_of(final), "rename")
+
+    def _move_into_place(self, tmp: Path, final: Path) -> None:
         if final.exists():
             shutil.rmtree(final)
         tmp.rename(final)
-        _stall(step_of(final), "latest")
+
+    def _point_latest(self, final: Path) -> None:
         pointer = self.root / ".latest.tmp"
         pointer.write_text(final.name + "\n")
         _fsync(pointer)
         pointer.replace(self.root / "latest")
         _fsync_dir(self.root)
+
+    def _prune(self, final: Path) -> None:
         older = [p for p in complete_checkpoints(self.root) if p != final]
         for old in older[: max(len(older) - (self.keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)

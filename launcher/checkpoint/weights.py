@@ -20,10 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+from moetron.launcher.checkpoint.io import CheckpointError
 from moetron.launcher.checkpoint.store import COMPLETE, latest_checkpoint, load_checkpoint
 from moetron.launcher.config import Config, ConfigError, TrainConfig, apply_override, config_from_dict
 from moetron.launcher.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from moetron.launcher.train.run_dir import RunError
 from moetron.model.config import ModelConfig
 from moetron.model.transformer import Decoder, build_model
 
@@ -34,7 +34,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint folder as given, or the newest complete one of a run folder."""
     path = Path(path)
     if not path.exists():
-        raise RunError(f"{path}: no such run or checkpoint folder")
+        raise CheckpointError(f"{path}: no such run or checkpoint folder")
     if (path / COMPLETE).is_file():
         return path
     for root in (path / "checkpoints", path):
@@ -42,7 +42,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             found = latest_checkpoint(root)
             if found is not None:
                 return found
-    raise RunError(f"{path}: neither a complete checkpoint nor a run folder holding one "
+    raise CheckpointError(f"{path}: neither a complete checkpoint nor a run folder holding one "
                    f"(expected {path}/checkpoints/step-*/{COMPLETE})")
 
 
@@ -50,10 +50,10 @@ def checkpoint_config(ckpt: Path) -> Config:
     """The resolved config a checkpoint was written with."""
     state_file = ckpt / "state.json"
     if not state_file.is_file():
-        raise RunError(f"{ckpt}: no state.json")
+        raise CheckpointError(f"{ckpt}: no state.json")
     saved = json.loads(state_file.read_text()).get("config")
     if not isinstance(saved, dict):
-        raise RunError(f"{state_file}: holds no resolved config")
+        raise CheckpointError(f"{state_file}: holds no resolved config")
     return config_from_dict(saved)
 
 
@@ -101,7 +101,7 @@ def save_weights(model: Decoder, out: Path, *, source: str, extra_files: tuple[P
     folder, renamed when complete."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise RunError(f"--out {out}: already exists; choose a new folder")
+        raise CheckpointError(f"--out {out}: already exists; choose a new folder")
     cfg = weights_config(model.cfg)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -38,7 +38,7 @@ def run(args) -> int:
         save_weights,
     )
     from moetron.launcher.config import ConfigError
-    from moetron.launcher.train.run_dir import RunError
+    from moetron.launcher.run_dir import RunError
     from moetron.model.hf import CONFIG_FILE, hf_problems, load_hf, save_hf
 
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)

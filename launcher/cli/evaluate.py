@@ -3,6 +3,7 @@ at each length and per position bucket (launcher/train/length_eval.py)."""
 
 from __future__ import annotations
 
+from moetron.launcher.cli.args import add_checkpoint_arguments, add_device_argument, device_of
 from moetron.launcher.cli.help import HelpFormatter
 
 
@@ -19,23 +20,19 @@ def register(sub) -> None:
                     "max_seq_len unless model.rope_original_max_seq_len says otherwise. Learned "
                     "positions cannot run past max_seq_len: such a length is refused before anything runs.",
         formatter_class=HelpFormatter)
-    p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
-    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="model settings to change")
+    add_checkpoint_arguments(p)
     p.add_argument("--seq-len", required=True, metavar="S,S,…", help="lengths to evaluate at, e.g. 256,512,1024")
     p.add_argument("--tokens", type=int, default=32768, metavar="N",
                    help="target tokens scored at each length (rounded up to whole longest windows)")
     p.add_argument("--batch-tokens", type=int, default=8192, metavar="N",
                    help="tokens per forward pass (at least one window); bounds memory at long lengths")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA when visible, else CPU")
+    add_device_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
     import json
-
-    import torch
 
     from moetron.launcher.checkpoint.weights import (
         checkpoint_config,
@@ -50,10 +47,7 @@ def run(args) -> int:
     lengths = _parse_lengths(args.seq_len)
     if args.tokens < 1 or args.batch_tokens < 1:
         raise ConfigError(f"--tokens {args.tokens}, --batch-tokens {args.batch_tokens}: must be >= 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = device_of(args)
     ckpt = resolve_checkpoint(args.path)
     # Refuse impossible lengths from the config alone, before weights or data are read.
     cfg = with_model_overrides(checkpoint_config(ckpt), args.overrides)

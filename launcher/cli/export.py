@@ -38,7 +38,7 @@ def run(args) -> int:
 
     from moetron.launcher.checkpoint.store import consolidated_model_state
     from moetron.launcher.checkpoint.weights import resolve_checkpoint
-    from moetron.launcher.train.run_dir import RunError
+    from moetron.launcher.run_dir import RunError
 
     out = Path(args.out)
     if out.suffix != ".safetensors":

@@ -38,8 +38,8 @@ def measure(cfg, seq_len: int, batch: int, steps: int):
     import torch
 
     from moetron.launcher.perf.flop_counter import measure_flops, single_process_step
+    from moetron.launcher.train.device import resolve_device, use_bf16
     from moetron.launcher.train.optim import build_optimizer
-    from moetron.launcher.train.trainer import resolve_device, use_bf16
     from moetron.model.transformer import build_model
 
     device = resolve_device(cfg)

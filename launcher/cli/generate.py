@@ -3,6 +3,7 @@ sample with a KV cache."""
 
 from __future__ import annotations
 
+from moetron.launcher.cli.args import add_checkpoint_arguments, add_device_argument, device_of
 from moetron.launcher.cli.help import HelpFormatter
 
 
@@ -17,8 +18,7 @@ def register(sub) -> None:
                     "overrides change settings that hold no weights, e.g. a longer context with "
                     "`model.max_seq_len=4096 model.rope_scaling=yarn model.rope_scaling_factor=4`.",
         formatter_class=HelpFormatter)
-    p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
-    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="model settings to change")
+    add_checkpoint_arguments(p)
     p.add_argument("--prompt", default=None, metavar="TEXT", help="prompt text, encoded with the run's tokenizer")
     p.add_argument("--prompt-ids", default=None, metavar="IDS", help="prompt as token ids, e.g. 1,2,3")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N", help="tokens to generate at most")
@@ -29,8 +29,7 @@ def register(sub) -> None:
                    help="sample among the fewest most likely tokens holding this much probability")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-text token")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
-                   help="auto: CUDA when visible, else CPU")
+    add_device_argument(p)
     p.add_argument("--json", action="store_true", help='print {"ids": [new token ids], "text": new text}')
     p.set_defaults(run=run)
 
@@ -52,10 +51,7 @@ def run(args) -> int:
     for key, value, rule in sampling.problems():
         raise ConfigError(f"--{key.replace('_', '-')} {value}: {rule}")
     prompt_ids = _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible")
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = device_of(args)
 
     ckpt = resolve_checkpoint(args.path)
     cfg, model = load_model(ckpt, device=device, overrides=args.overrides)

@@ -19,8 +19,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     from moetron.launcher.checkpoint.io import CheckpointError
     from moetron.launcher.cluster.submit import SlurmError
     from moetron.launcher.config import ConfigError
+    from moetron.launcher.run_dir import RunError
     from moetron.launcher.train.nonfinite import NonFiniteError
-    from moetron.launcher.train.run_dir import RunError
 
     return (ConfigError, RunError, CheckpointError, SlurmError, NonFiniteError, FileNotFoundError)
 

@@ -17,7 +17,7 @@ def register(sub) -> None:
                     "sequence parallel, gradient accumulation, activation checkpointing), drop those that "
                     "do not fit in device memory, and rank the rest by predicted step time. Each row shows "
                     "memory per rank by part, communication per rank by kind and link, the pipeline bubble, "
-                    "step time, tokens/s and MFU. The cost model is described in moetron/launcher/planner.py; "
+                    "step time, tokens/s and MFU. The cost model is described in moetron/launcher/perf/planner.py; "
                     "device profiles and their sources in launcher/perf/device_profiles.py.",
         formatter_class=HelpFormatter)
     p.add_argument("config", nargs="?", help="YAML preset, e.g. configs/mixtral-8x7b.yaml")
@@ -67,7 +67,8 @@ def run(args) -> int:
         print(json.dumps({"config": args.config, "gpus": args.gpus, "profile": profile.to_dict(),
                           "considered": result.considered,
                           "ranked": [{"rank": i, **p.to_dict()} for i, p in shown[:args.top]],
-                          "dropped": [p.to_dict() for p in matching(result.dropped, args.where)[:args.top]]}))
+                          # `matching` pairs each with its position; a layout that does not fit has no rank.
+                          "dropped": [p.to_dict() for _, p in matching(result.dropped, args.where)[:args.top]]}))
         return 0
     print_plan(cfg, args, profile, result, shown)
     return 0

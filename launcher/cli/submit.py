@@ -46,18 +46,24 @@ def register(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
-    from moetron.launcher.cluster.jobs import Slurm, active_jobs
-    from moetron.launcher.cluster.submit import (
-        SlurmError,
-        apply_flags,
-        build_submission,
-        check_partition,
-        check_run_folder,
-        partitions,
-        record_job,
-        sbatch,
-        write_submission,
-    )
+    from moetron.launcher.cluster.submit import build_submission
+
+    cfg, slurm_cfg = config_and_allocation(args)
+    sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
+    check_partition(slurm_cfg.partition, dry_run=args.dry_run)
+    if args.dry_run:
+        sys.stdout.write(sub.script)
+        print(f"moetron submit: dry run, nothing written or submitted; the script would go to {sub.script_path}",
+              file=sys.stderr)
+        return 0
+    submit(sub, slurm_cfg)
+    return 0
+
+
+def config_and_allocation(args):
+    """(the job's Config, its Slurm section with the flags applied); under --layout auto the
+    config carries the layout `moetron plan` ranks first for the allocation."""
+    from moetron.launcher.cluster.submit import apply_flags
     from moetron.launcher.config import load_config
 
     # One rank per GPU: parallel.dp, where the config leaves it out, fills the allocation.
@@ -80,21 +86,28 @@ def run(args) -> int:
         chosen = auto_layout(args.config, args.overrides, ranks, profile, gpus_per_node=per_node)
         print(f"moetron submit: --layout auto chose {' '.join(chosen)}", file=sys.stderr)
         cfg = load_config(args.config, [*args.overrides, *chosen], world_size=ranks)
-    sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
-    # A dry run works away from a cluster too: where no controller answers it only warns.
+    return cfg, slurm_cfg
+
+
+def check_partition(partition: str | None, *, dry_run: bool) -> None:
+    """Refuse a partition the cluster does not have. A dry run works away from a cluster too:
+    where no controller answers it only warns."""
+    from moetron.launcher.cluster import submit as cluster
+
     try:
-        known = partitions()
-    except SlurmError as e:
-        if not args.dry_run:
+        known = cluster.partitions()
+    except cluster.SlurmError as e:
+        if not dry_run:
             raise
         print(f"moetron submit: warning: partition not checked ({e})", file=sys.stderr)
     else:
-        check_partition(slurm_cfg.partition, known)
-    if args.dry_run:
-        sys.stdout.write(sub.script)
-        print(f"moetron submit: dry run, nothing written or submitted; the script would go to {sub.script_path}",
-              file=sys.stderr)
-        return 0
+        cluster.check_partition(partition, known)
+
+
+def submit(sub, slurm_cfg) -> None:
+    """Write the batch script, submit it, record the job in the run folder and say where it is."""
+    from moetron.launcher.cluster.jobs import Slurm, active_jobs
+    from moetron.launcher.cluster.submit import check_run_folder, record_job, sbatch, write_submission
 
     slurm = Slurm()
     check_run_folder(sub.config, lambda path: active_jobs(slurm, path))
@@ -106,4 +119,3 @@ def run(args) -> int:
     print(f"script:       {script}")
     print(f"log:          {sub.folder / f'{job_id}.out'}   (moetron logs {job_id} -f)")
     print(f"status:       moetron status {job_id}")
-    return 0

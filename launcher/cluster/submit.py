@@ -38,7 +38,7 @@ import yaml
 
 from moetron.launcher.cluster.sbatch import SbatchError, render_sbatch
 from moetron.launcher.config import Config, ConfigError, SlurmConfig, config_from_dict
-from moetron.launcher.train.run_dir import open_run_dir
+from moetron.launcher.run_dir import open_run_dir
 
 SLURM_FOLDER = "slurm"
 SCRIPT = "job.sbatch"

@@ -1,5 +1,6 @@
-"""Analytic accounting from a ModelConfig alone: parameters, FLOPs per token by component, KV cache,
-and memory per rank. Plain Python: nothing here builds a model or touches a device.
+"""Analytic accounting from a ModelConfig alone: parameters, FLOPs per token by component and KV
+cache (memory per rank of a layout is launcher/perf/memory.py). Plain Python: nothing here builds a
+model or touches a device.
 
 Legend: L layers, D model dim, H query heads, G key/value heads, Dh head dim, F dense FFN hidden dim,
 Fe expert hidden dim, Fs shared-expert hidden dim, E experts, K top-k, V vocabulary, S sequence length.
@@ -23,7 +24,6 @@ The convention (printed by `moetron flops`):
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass
 
 from moetron.model.config import ModelConfig
 
@@ -40,7 +40,7 @@ CONVENTION = ("6 FLOPs per active weight per token (fwd + input grad + weight gr
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_counts(cfg: ModelConfig) -> tuple[int, int]:
+def layer_counts(cfg: ModelConfig) -> tuple[int, int]:
     """(dense layers, MoE layers); cached, as the layout planner asks it thousands of times."""
     moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
     return cfg.n_layers - moe, moe
@@ -59,7 +59,7 @@ def matmul_params(cfg: ModelConfig, *, active: bool = True) -> dict[str, int]:
     """Weights of the matmuls per component, summed over layers. `active`: the K routed experts
     one token passes through; otherwise all E experts. Attention scores have no weights (0)."""
     D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    n_dense, n_moe = _layer_counts(cfg)
+    n_dense, n_moe = layer_counts(cfg)
     mats, moe = _ffn_matrices(cfg), cfg.moe
     experts = moe.top_k if active else moe.num_experts
     return {
@@ -97,7 +97,7 @@ def params_active(cfg: ModelConfig) -> int:
 def params_total(cfg: ModelConfig) -> int:
     """Every parameter the model holds, all experts included; equals sum(p.numel()) of the built model."""
     D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    n_dense, n_moe = _layer_counts(cfg)
+    n_dense, n_moe = layer_counts(cfg)
     mats, moe = _ffn_matrices(cfg), cfg.moe
     weights = matmul_params(cfg, active=False)
     if cfg.tie_embeddings:
@@ -171,148 +171,14 @@ def kv_cache_bytes(cfg: ModelConfig, seq_len: int, batch: int = 1, bytes_per_ele
 
 
 # ---------------------------------------------------------------------------------------------
-# Memory per rank
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes held by the most loaded rank of a layout."""
-
-    weights: int
-    grads: int
-    optimizer: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations
-
-    def to_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
-
-
-def activation_elements_per_token(cfg: ModelConfig, *, tp: int = 1, sequence_parallel: bool = False,
-                                  flash_attention: bool = True, seq_len: int = 0, etp: int = 1,
-                                  selective: bool = False, expert_imbalance: float = 1.0) -> dict[str, float]:
-    """Elements saved for backward per token by one dense and one MoE layer (Korthikanti et al.
-    2022, counted for this implementation). Head- and hidden-sized tensors are split by TP (a routed
-    expert's hidden ones by etp: 1 keeps them whole on every tp rank); D-sized ones only under
-    sequence parallelism. Eager attention also keeps the S-long scores
-    and probabilities of every head. `selective` (activation checkpointing that keeps matmul
-    outputs only): an FFN keeps its up-projections' outputs, not the activation's; the router its
-    logits, not its probabilities. `expert_imbalance`: routes held by the rank whose experts are
-    busiest over the mean (1 = balanced; under expert parallelism that rank holds the most)."""
-    D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
-    d_split = tp if sequence_parallel else 1
-    # Two norm inputs and outputs: D each.
-    residual = 4 * D / d_split
-    # q, k, v, the attention output and its copy as W_o's input.
-    attention = (3 * H * Dh + 2 * G * Dh) / tp
-    if not flash_attention:
-        attention += 2 * H * seq_len / tp
-    # SwiGLU keeps gate, up, silu(gate) and their product; GeLU/ReLU the pre- and post-activation.
-    hidden = 4 if cfg.activation == "swiglu" else 2
-    if selective:
-        hidden //= 2  # gate and up (or the pre-activation); the rest is recomputed
-    dense = hidden * cfg.d_ff / tp
-    moe = cfg.moe
-    routed = 0.0
-    if moe.enabled:
-        # Router input and probabilities in fp32 (counted double), then per route: the
-        # dispatched row, the expert's hidden tensors and its output row.
-        router = (D + moe.num_experts) * (1 if selective else 2)
-        routed = router + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / etp) * expert_imbalance
-        routed += hidden * moe.shared_expert_d_ff / tp
-    return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
-
-
-def busiest_rank_imbalance(cfg: ModelConfig, ep: int, expert_imbalance: float) -> float:
-    """Routed rows on the busiest expert-parallel rank over the mean: `expert_imbalance`, at most
-    moe.capacity_factor when capacity is set, and 1 without expert parallelism (every rank then
-    holds every expert, so each keeps its own tokens' routes)."""
-    if ep == 1 or not cfg.moe.enabled:
-        return 1.0
-    return min(expert_imbalance, cfg.moe.capacity_factor or expert_imbalance)
-
-
-def memory_per_rank(cfg: ModelConfig, *, seq_len: int, micro_batch: int, pp: int = 1, tp: int = 1, ep: int = 1,
-                    dp: int = 1, cp: int = 1, etp: int = 1, dp_mode: str = "fsdp", dp_shard: int = 0,
-                    sequence_parallel: bool = False, microbatches_in_flight: int | None = None,
-                    flash_attention: bool = True, activation_checkpoint: bool | str = False,
-                    param_bytes: int = 4, grad_bytes: int = 4,
-                    optimizer_bytes: int = 8, activation_bytes: int = 2,
-                    expert_imbalance: float = 1.0) -> MemoryEstimate:
-    """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank.
-
-    Layers are split evenly over `pp` stages; the first holds the embedding, the last the head.
-    Dense weights are split by `tp`; routed expert weights by `ep × etp` (etp = 1 replicates them
-    over tp). The ranks holding the same weights are the dp × cp ones (experts: dp / ep × cp);
-    how much of that copy a rank keeps depends on `dp_mode`:
-      fsdp   weights, grads and optimizer state split over all of them (ZeRO-3)
-      hsdp   the same inside a shard group of `dp_shard` data-parallel ranks × cp
-      zero1  weights and grads whole, optimizer state split over all of them (ZeRO-1)
-      ddp    everything whole
-    Activations are those of `microbatches_in_flight` micro-batches (1F1B keeps `pp` on the first
-    stage) of S / cp tokens per sequence, plus the K/V gathered from the other cp ranks, plus the
-    fp32 logits and their gradient on the last stage. With `activation_checkpoint` a block keeps
-    only its input (D per token, split by tp under sequence parallel) and one block at a time holds
-    everything while it is recomputed. Fragmentation and communication buffers are not included.
-    Under expert parallelism (ep > 1) the routed rows are the busiest rank's: the mean times
-    `expert_imbalance` (its max / mean routes; capped by moe.capacity_factor when that is set).
-    """
-    n_dense, n_moe = _layer_counts(cfg)
-    total_weights = matmul_params(cfg, active=False)
-    expert = total_weights["experts"]
-    dense_layers = params_total(cfg) - params_embedding(cfg) - expert
-    head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
-    dense_layers -= head
-    stage_layers = dense_layers / pp
-    if pp == 1:
-        dense_rank = stage_layers + params_embedding(cfg) + head
-    else:
-        dense_rank = stage_layers + max(params_embedding(cfg), head)
-    dense_rank /= tp
-    expert_rank = expert / pp / (ep * etp)
-    shard = dp_shard if dp_mode == "hsdp" and dp_shard else dp
-    dense_split, expert_split = shard * cp, max(shard // ep, 1) * cp
-    held = dense_rank + expert_rank
-    if dp_mode in ("fsdp", "hsdp"):
-        held = dense_rank / dense_split + expert_rank / expert_split
-    optimizer_held = held
-    if dp_mode == "zero1":
-        optimizer_held = dense_rank / (dp * cp) + expert_rank / (max(dp // ep, 1) * cp)
-
-    mode = {True: "full", False: "none"}.get(activation_checkpoint, activation_checkpoint)
-    imbalance = busiest_rank_imbalance(cfg, ep, expert_imbalance)
-    per_token = activation_elements_per_token(cfg, tp=tp, sequence_parallel=sequence_parallel,
-                                              flash_attention=flash_attention, seq_len=seq_len, etp=etp,
-                                              selective=mode == "selective", expert_imbalance=imbalance)
-    layer_elements = (n_dense * per_token["dense_layer"] + n_moe * per_token["moe_layer"]) / pp
-    if mode == "full":
-        d_split = tp if sequence_parallel else 1
-        layer_elements = cfg.n_layers / pp * cfg.d_model / d_split + max(
-            per_token["dense_layer"] if n_dense else 0.0, per_token["moe_layer"] if n_moe else 0.0)
-    tokens = seq_len // cp * micro_batch
-    # Context parallelism keeps the K/V of the other cp ranks' positions for backward.
-    layer_elements += (cfg.n_layers / pp) * 2 * cfg.kv_heads * cfg.dim_head / tp * (seq_len - seq_len // cp) / max(
-        seq_len // cp, 1)
-    in_flight = pp if microbatches_in_flight is None else microbatches_in_flight
-    logits = tokens * cfg.vocab_size / tp * 2 * 4  # fp32 logits and their gradient
-    first = layer_elements * tokens * in_flight * activation_bytes
-    last = layer_elements * tokens * activation_bytes + logits
-    activations = max(first, last) if pp > 1 else first + logits
-    return MemoryEstimate(weights=int(held * param_bytes), grads=int(held * grad_bytes),
-                          optimizer=int(optimizer_held * optimizer_bytes), activations=int(activations))
-
-
-# ---------------------------------------------------------------------------------------------
 # Everything at once, for `moetron flops` and the dashboards
 
 
 def accounting(cfg: ModelConfig, *, seq_len: int, batch: int = 1, kv_bytes_per_element: int = 2,
-               memory: MemoryEstimate | None = None) -> dict:
+               memory: dict[str, int] | None = None) -> dict:
     """The fields of `moetron flops --json`: parameters, FLOPs per token (both attention
-    conventions), per-component breakdown, KV cache, and the memory estimate if given."""
+    conventions), per-component breakdown, KV cache, and the memory estimate if given (bytes by
+    part, as `MemoryEstimate.to_dict()` of launcher/perf/memory.py gives them)."""
     out = {
         "convention": CONVENTION,
         "seq_len": seq_len,
@@ -337,7 +203,7 @@ def accounting(cfg: ModelConfig, *, seq_len: int, batch: int = 1, kv_bytes_per_e
         },
     }
     if memory is not None:
-        out["memory_per_rank"] = memory.to_dict()
+        out["memory_per_rank"] = dict(memory)
     return out
 
 

@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from moetron.launcher.perf.flops import accounting, flops_per_token, memory_per_rank
+from moetron.launcher.perf.flops import accounting, flops_per_token
+from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig
 
 # bf16 dense tensor-core peaks from NVIDIA's data sheets (SXM parts unless named), in TFLOP/s.
@@ -154,14 +155,10 @@ def config_accounting(cfg, *, seq_len: int | None = None, batch: int | None = No
     par, t = cfg.parallel, cfg.train
     seq_len, batch = seq_len or t.seq_len, batch or t.batch_size
     micro = max(batch // (par.dp * t.grad_accum * (par.microbatches if par.pp > 1 else 1)), 1)
-    # GPipe keeps every micro-batch's activations; 1F1B-style schedules at most pp of them.
-    in_flight = par.microbatches if par.schedule == "gpipe" else min(par.pp, par.microbatches)
-    memory = memory_per_rank(
-        cfg.model, seq_len=seq_len, micro_batch=micro, pp=par.pp, tp=par.tp, ep=par.ep, dp=par.dp, cp=par.cp,
-        etp=par.etp, dp_mode=par.dp_mode, dp_shard=par.dp_shard, sequence_parallel=par.sequence_parallel,
-        microbatches_in_flight=in_flight if par.pp > 1 else 1, flash_attention=cfg.model.attention != "eager",
-        activation_checkpoint=t.activation_checkpoint, activation_bytes=4 if t.precision == "fp32" else 2)
-    out = accounting(cfg.model, seq_len=seq_len, batch=batch, kv_bytes_per_element=kv_bytes, memory=memory)
+    memory = memory_per_rank(cfg.model, par, seq_len=seq_len, micro_batch=micro,
+                             activation_checkpoint=t.activation_checkpoint,
+                             activation_bytes=4 if t.precision == "fp32" else 2)
+    out = accounting(cfg.model, seq_len=seq_len, batch=batch, kv_bytes_per_element=kv_bytes, memory=memory.to_dict())
     out["layout"] = {"pp": par.pp, "tp": par.tp, "cp": par.cp, "ep": par.ep, "etp": par.etp, "dp": par.dp,
                      "dp_mode": par.dp_mode, "dp_shard": par.shard_group}
     return out

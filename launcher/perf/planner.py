@@ -8,7 +8,7 @@ A layout is valid when `moetron train` would accept it: each candidate is built 
 run through the same checks (`validate`, `validate_launch`), so the planner never proposes a
 layout the trainer refuses. Its cost, by named part:
 
-  memory     `memory_per_rank` (weights, grads, AdamW state and activations by dp_mode, tp, etp,
+  memory     `memory.memory_per_rank` (weights, grads, AdamW state and activations by dp_mode, tp, etp,
              ep, cp, pp, sequence parallel and activation checkpointing) plus communication
              buffers: FSDP/HSDP's gathered copy of two blocks (the one running and the one
              prefetched), expert parallelism's send and receive rows. It fits when the total is
@@ -45,14 +45,14 @@ from moetron.launcher.config import Config, ConfigError, validate, validate_laun
 from moetron.launcher.perf.comm_volume import predict_step
 from moetron.launcher.perf.device_profiles import DeviceProfile
 from moetron.launcher.perf.flops import (
-    busiest_rank_imbalance,
     flops_by_component,
     flops_per_token,
+    layer_counts,
     matmul_params,
-    memory_per_rank,
     params_embedding,
     params_total,
 )
+from moetron.launcher.perf.memory import busiest_rank_imbalance, memory_per_rank
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import MESH_DIMS, mesh_shape
 
@@ -219,17 +219,13 @@ def _group_span(par: ParallelConfig, dim: str) -> tuple[int, int]:
 def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes per rank by part (weights, grads, optimizer, activations, buffers) and their total.
     `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced)."""
-    m, t, par = cfg.model, cfg.train, layout.parallel
-    act_bytes = 4 if t.precision == "fp32" else 2
+    t, par = cfg.train, layout.parallel
+    act_bytes = _activation_bytes(cfg)
     chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
     micro = max(t.batch_size // (par.dp * chunks), 1)
-    in_flight = (par.microbatches if par.schedule == "gpipe" else min(par.pp, par.microbatches)) if par.pp > 1 else 1
-    mem = memory_per_rank(m, seq_len=t.seq_len, micro_batch=micro, pp=par.pp, tp=par.tp, ep=par.ep, dp=par.dp,
-                          cp=par.cp, etp=par.etp, dp_mode=par.dp_mode, dp_shard=par.dp_shard,
-                          sequence_parallel=par.sequence_parallel, microbatches_in_flight=in_flight,
-                          flash_attention=m.attention != "eager",
-                          activation_checkpoint=layout.activation_checkpoint,
-                          activation_bytes=act_bytes, expert_imbalance=expert_imbalance).to_dict()
+    mem = memory_per_rank(cfg.model, par, seq_len=t.seq_len, micro_batch=micro,
+                          activation_checkpoint=layout.activation_checkpoint, activation_bytes=act_bytes,
+                          expert_imbalance=expert_imbalance).to_dict()
     mem["buffers"] = _buffers(cfg, par, micro, act_bytes, expert_imbalance)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     return mem
@@ -239,34 +235,71 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
             expert_imbalance: float = 1.0) -> Prediction:
     """Memory, FLOPs, communication, bubble and step time of `layout` (see the module docstring)."""
     m, t, par = cfg.model, cfg.train, layout.parallel
-    seq_len, batch = t.seq_len, t.batch_size
-    tokens = batch * seq_len
-    act_bytes = 4 if t.precision == "fp32" else 2
-    flash = m.attention != "eager"
-    chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
-    ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
+    tokens = t.batch_size * t.seq_len
     mem = predict_memory(cfg, layout, expert_imbalance=expert_imbalance)
     fits = mem["total"] <= MEMORY_HEADROOM * profile.memory_bytes
+    flops_rank, compute_s, overhead_s = _compute(cfg, layout, profile)
+    comm = _communication(cfg, layout, profile, gpus_per_node=gpus_per_node)
+    memory_s = _memory_bound_bytes(cfg, par, tokens / (par.dp * par.cp), _activation_bytes(cfg),
+                                   layout.activation_checkpoint in ("full", "selective"), mem) / profile.hbm_bw
+    for moved in comm.copied:  # FSDP's copies around its collectives go through device memory
+        memory_s += moved / profile.hbm_bw
+    exposed_s = comm.exposed_s + max(0.0, comm.dp_s - profile.dp_overlap * compute_s)
+    bubble = pipeline_bubble(par, profile)
+    busy = compute_s + memory_s + overhead_s + exposed_s
+    step_s = busy * (1 + bubble)
+    tokens_per_s = tokens / step_s
+    mfu = flops_per_token(m, t.seq_len) * tokens_per_s / (par.world_size * profile.peak_flops)
+    times = {"compute": compute_s, "memory_bound": memory_s, "overhead": overhead_s, "comm_exposed": exposed_s,
+             "comm_total": comm.total_s, "bubble": busy * bubble}
+    reason = "" if fits else (f"needs {mem['total'] / 2**30:.1f} GiB per rank, more than "
+                              f"{MEMORY_HEADROOM:.0%} of {profile.memory_bytes / 2**30:.0f} GiB")
+    return Prediction(layout, mem, fits, flops_rank, comm.comm_bytes, comm.link_bytes, times, bubble, step_s,
+                      tokens_per_s, mfu, reason)
 
-    # Compute on the most loaded rank (the last pipeline stage, which also holds the head).
-    comp = flops_by_component(m, seq_len, causal=flash)
-    rank_tokens = tokens / (par.dp * par.cp)
+
+def _activation_bytes(cfg: Config) -> int:
+    return 4 if cfg.train.precision == "fp32" else 2
+
+
+def _compute(cfg: Config, layout: Layout, profile: DeviceProfile) -> tuple[float, float, float]:
+    """(FLOPs, their seconds, the fixed per-block overhead's seconds) on the most loaded rank: the
+    last pipeline stage, which also holds the head."""
+    m, t, par = cfg.model, cfg.train, layout.parallel
+    ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
+    chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
+    comp = flops_by_component(m, t.seq_len, causal=m.attention != "eager")
+    rank_tokens = t.batch_size * t.seq_len / (par.dp * par.cp)
     experts = comp["experts"] / par.etp
     layers = (sum(v for k, v in comp.items() if k not in ("experts", "lm_head")) / par.tp + experts) / par.pp
     recompute = 4 / 3 if ac else 1.0
     flops_rank = rank_tokens * (layers * recompute + comp["lm_head"] / par.tp)
     compute_s = flops_rank / (profile.peak_flops * profile.matmul_efficiency)
     overhead_s = profile.block_overhead * (m.n_layers / par.pp) * chunks * (1.5 if ac else 1.2 if sac else 1.0)
-    memory_s = _memory_bound_bytes(cfg, par, rank_tokens, act_bytes, ac or sac, mem) / profile.hbm_bw
+    return flops_rank, compute_s, overhead_s
 
-    traffic = predict_step(m, par, batch=batch, seq_len=seq_len, grad_accum=layout.grad_accum,
-                           act_bytes=act_bytes)
+
+@dataclass
+class PricedComm:
+    """One step's collectives on one rank, each priced on the link its group spans."""
+
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # by collective kind
+    link_bytes: dict[str, float] = field(default_factory=lambda: {"intra": 0.0, "inter": 0.0})
+    copied: list[float] = field(default_factory=list)  # bytes FSDP copies through memory, per collective
+    exposed_s: float = 0.0  # seconds on the critical path: every group but data parallelism's
+    dp_s: float = 0.0  # seconds of data-parallel collectives, which overlap compute
+    total_s: float = 0.0
+
+
+def _communication(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_node: int) -> PricedComm:
+    """`predict_step`'s collectives at the bus bandwidth (of their kind) and latency of their link."""
+    t, par = cfg.train, layout.parallel
+    items = predict_step(cfg.model, par, batch=t.batch_size, seq_len=t.seq_len, grad_accum=layout.grad_accum,
+                         act_bytes=_activation_bytes(cfg))
     world = par.world_size
-    comm_bytes: dict[str, float] = {}
-    link_bytes = {"intra": 0.0, "inter": 0.0}
-    exposed_s = dp_s = total_s = 0.0
+    out = PricedComm()
     spans = {dim: _group_span(par, dim) for dim in set(PURPOSE_DIM.values())}
-    for item in traffic:
+    for item in items:
         dim = PURPOSE_DIM.get(item.purpose.split()[0].lower(), "world")
         n, span = spans[dim]
         if n <= 1:
@@ -277,33 +310,26 @@ def predict(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_per_nod
                                                                                           profile.inter_latency)
         bw *= profile.kind_bw.get(item.kind, 1.0)
         seconds = per_rank * WIRE_FACTOR[item.kind](n) / bw + item.calls / world * latency
-        comm_bytes[item.kind] = comm_bytes.get(item.kind, 0.0) + per_rank
+        out.comm_bytes[item.kind] = out.comm_bytes.get(item.kind, 0.0) + per_rank
         if dim in ("dp", "dp_shard") and item.kind in FSDP_COPIES:
-            memory_s += FSDP_COPIES[item.kind] * per_rank / profile.hbm_bw
-        link_bytes[link] += per_rank
-        total_s += seconds
+            out.copied.append(FSDP_COPIES[item.kind] * per_rank)
+        out.link_bytes[link] += per_rank
+        out.total_s += seconds
         if dim == "dp":
-            dp_s += seconds
+            out.dp_s += seconds
         else:
-            exposed_s += seconds
-    exposed_s += max(0.0, dp_s - profile.dp_overlap * compute_s)
+            out.exposed_s += seconds
+    return out
 
-    bubble = 0.0
-    if par.pp > 1:
-        bubble = (par.pp - 1) / (par.microbatches * par.vpp)
-        if par.schedule == "zero_bubble":
-            bubble /= 3
-        bubble /= profile.oversubscription
-    busy = compute_s + memory_s + overhead_s + exposed_s
-    step_s = busy * (1 + bubble)
-    tokens_per_s = tokens / step_s
-    mfu = flops_per_token(m, seq_len) * tokens_per_s / (world * profile.peak_flops)
-    times = {"compute": compute_s, "memory_bound": memory_s, "overhead": overhead_s, "comm_exposed": exposed_s, "comm_total": total_s,
-             "bubble": busy * bubble}
-    reason = "" if fits else (f"needs {mem['total'] / 2**30:.1f} GiB per rank, more than "
-                              f"{MEMORY_HEADROOM:.0%} of {profile.memory_bytes / 2**30:.0f} GiB")
-    return Prediction(layout, mem, fits, flops_rank, comm_bytes, link_bytes, times, bubble, step_s, tokens_per_s,
-                      mfu, reason)
+
+def pipeline_bubble(par: ParallelConfig, profile: DeviceProfile) -> float:
+    """Idle time over busy time of a pipeline schedule (see the module docstring)."""
+    if par.pp == 1:
+        return 0.0
+    bubble = (par.pp - 1) / (par.microbatches * par.vpp)
+    if par.schedule == "zero_bubble":
+        bubble /= 3
+    return bubble / profile.oversubscription
 
 
 def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, act_bytes: int, ac: bool,
@@ -328,7 +354,7 @@ def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, ac
 def _block_params(m) -> tuple[float, float]:
     """(parameters of one block outside the routed experts, routed-expert parameters of one MoE block)."""
     experts = matmul_params(m, active=False)["experts"]
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    _, n_moe = layer_counts(m)
     dense = (params_total(m) - params_embedding(m) - experts) / m.n_layers
     return dense, experts / max(n_moe, 1)
 

@@ -2,6 +2,11 @@
 checkpoint. Stops cleanly on Ctrl-C, SIGTERM or SIGUSR1: the current step finishes, a checkpoint
 is written, and the run can be resumed.
 
+`_loop` is the whole of it; the parts around it decide their own timing: the StepLogger
+(launcher/train/step_logger.py) when to log and evaluate, the CheckpointManager
+(launcher/train/checkpointer.py) when to save and what a failed save does, and the
+aux-loss-free bias update runs as a hook of the optimizer's step (ExpertBiasUpdate).
+
 Legend: B sequences per micro-batch, S sequence length, V vocabulary.
 """
 
@@ -12,33 +17,27 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from moetron.launcher.checkpoint.store import Checkpointer, CheckpointError, load_checkpoint
-from moetron.launcher.cluster.bootstrap import detect_rank, init_distributed, shutdown
+from moetron.launcher.checkpoint.store import load_checkpoint
+from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distributed, shutdown
 from moetron.launcher.config import Config, ConfigError, validate_launch
 from moetron.launcher.data.corpus import WindowSampler, load_token_data, validation_batches
+from moetron.launcher.run_dir import RunDir, open_run_dir, truncate_metrics
+from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
+from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.metrics import MetricsLogger
-from moetron.launcher.train.nonfinite import (
-    NonFiniteError,
-    SkipGuard,
-    all_finite,
-    diagnose,
-    is_finite,
-    optimizer_tensors,
-    stop_message,
-)
+from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
 from moetron.launcher.train.optim import lr_at, optimizer_for, set_lr
-from moetron.launcher.train.progress import Progress
-from moetron.launcher.train.run_dir import open_run_dir, truncate_metrics
-from moetron.model.transformer import Decoder, build_model
-from moetron.parallel.expert_bias import biased_routers, clear_expert_counts, update_expert_biases
+from moetron.launcher.train.step_logger import StepLogger
+from moetron.model.transformer import build_model
+from moetron.parallel.expert_bias import clear_expert_counts, update_expert_biases
+from moetron.parallel.expert_shards import ExpertShards
 from moetron.parallel.mesh import build_mesh
 from moetron.parallel.parallelize import ParallelModel, parallelize
 
@@ -91,20 +90,6 @@ class StopFlag:
         return bool(flag.item())
 
 
-def resolve_device(cfg: Config) -> torch.device:
-    want = cfg.train.device
-    if want == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device = 'cuda': no CUDA device is visible (use auto or cpu)")
-    return torch.device("cuda" if want == "cuda" or (want == "auto" and torch.cuda.is_available()) else "cpu")
-
-
-def use_bf16(cfg: Config, device: torch.device) -> bool:
-    """bf16 autocast on CUDA, and on CPUs whose oneDNN has native bf16 matmuls (AVX512-BF16, AMX)."""
-    if cfg.train.precision != "auto":
-        return cfg.train.precision == "bf16"
-    return device.type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
 @dataclass
 class StepResult:
     loss: float
@@ -116,26 +101,80 @@ class StepResult:
     reason: str = ""
 
 
-class StepHooks:
-    """Calls into the loop around each step, for debugging and fault injection (tests poison one
-    rank's batch or gradients through them). `step` is the 1-based number of the step running."""
+@dataclass
+class TrainState:
+    """Where the run is; with the sampler's position, what a checkpoint's state.json restores."""
 
-    def before_step(self, step: int, pm: ParallelModel) -> None:
-        """Before the forward passes of `step`."""
+    decay_steps: int  # the lr schedule's length (kept on resume, see _schedule_length)
+    skips: SkipGuard
+    step: int = 0
+    tokens: int = 0
+    earlier_s: float = 0.0  # wall time of the earlier attempts of this run
+    _clock0: float = 0.0
 
-    def after_backward(self, step: int, pm: ParallelModel) -> None:
-        """After the backward passes of `step`, before the gradients are reduced, clipped and applied."""
+    def start_clock(self) -> None:
+        self._clock0 = time.perf_counter() - self.earlier_s
+
+    def elapsed_s(self) -> float:
+        """Wall time of every attempt of this run, summed."""
+        return time.perf_counter() - self._clock0
+
+
+@dataclass
+class Components:
+    """What this rank trains with."""
+
+    cfg: Config
+    pm: ParallelModel
+    optimizer: torch.optim.Optimizer
+    sampler: WindowSampler
+    val_batches: list[torch.Tensor]
+    device: torch.device
+    bf16: bool
+    # Routed experts are plain pieces per ep (and, with etp = tp, tp) rank; the checkpoint stores
+    # each weight as one tensor.
+    expert_shards: ExpertShards | None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.pm.module  # all of this rank's parameters, whatever the pipeline schedule
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+
+    def evaluate(self) -> float:
+        return evaluate(self.pm, self.val_batches, self.autocast, self.device)
+
+
+class ExpertBiasUpdate:
+    """Aux-loss-free balancing (model.moe.bias_update_rate > 0) as a hook on the optimizer's step:
+    after each step every rank moves its routers' biases by the global batch's expert loads (a
+    collective, parallel/expert_bias.py). A skipped step never steps the optimizer, and train_step
+    forgets its routes, so the biases stay as they were."""
+
+    def __init__(self, pm: ParallelModel, cfg: Config, device: torch.device):
+        self.pm, self.cfg, self.device = pm, cfg, device
+        self._depth = 0
+
+    def register(self, optimizer: torch.optim.Optimizer) -> None:
+        # A step inside a step runs the hooks again: ZeRO-1's ShardedAdamW.step calls AdamW.step,
+        # which torch wraps with the same hooks once any AdamW was built. The outermost one updates.
+        optimizer.register_step_pre_hook(self._enter)
+        optimizer.register_step_post_hook(self._exit)
+
+    def _enter(self, optimizer, args, kwargs) -> None:
+        self._depth += 1
+
+    def _exit(self, optimizer, args, kwargs) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            m = self.cfg.model
+            update_expert_biases(self.pm.modules, self.pm.mesh, m.n_layers, m.moe.num_experts, self.device)
 
 
 def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over tokens, in fp32 (logits may be a DTensor split over V under TP)."""
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
-
-
-def language_model_loss(model: Decoder, batch_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Next-token cross entropy (mean over tokens, fp32) and the MoE aux losses of one micro-batch."""
-    out = model(batch_BS1[:, :-1])
-    return next_token_cross_entropy(out.logits_BSV, batch_BS1[:, 1:]), out.aux_loss, out.moe
 
 
 def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
@@ -152,7 +191,8 @@ def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
                grad_accum: int, grad_clip: float, autocast, after_backward=None) -> StepResult:
     """One optimizer step on the global batch; this rank computes its data-parallel slice. A step
-    whose global loss or gradient norm is not finite leaves weights and optimizer state as they were."""
+    whose global loss or gradient norm is not finite leaves weights, optimizer state and expert
+    biases as they were. `after_backward()`, if given, runs before the gradients are reduced."""
     losses = pm.forward_backward(pm.local_batch(batch_BS1), grad_accum=grad_accum, autocast=autocast)
     if after_backward is not None:
         after_backward()
@@ -160,8 +200,10 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: t
     ce, aux = pm.global_losses(losses.ce, losses.aux)
     skipped = not is_finite(ce, grad_norm)
     reason = diagnose(ce, grad_norm, losses.moe, pm.named_parameters()) if skipped else ""
-    if not skipped:
-        optimizer.step()
+    if skipped:
+        clear_expert_counts(pm.modules)  # its routes go with its gradients
+    else:
+        optimizer.step()  # and its hooks (ExpertBiasUpdate)
     optimizer.zero_grad(set_to_none=True)
     return StepResult(ce, aux, grad_norm, losses.moe, skipped, reason)
 
@@ -171,40 +213,138 @@ def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -
     return pm.global_losses(torch.stack(ce).mean(), torch.zeros((), device=device))[0]
 
 
-def moe_summary(moe: dict) -> dict[str, float]:
-    """Layer-averaged router numbers for metrics.jsonl."""
-    if not moe:
-        return {}
-    n = len(moe)
-    out = {
-        "moe_dropped_fraction": sum(float(s.dropped_fraction) for s in moe.values()) / n,
-        "moe_router_entropy": sum(float(s.entropy) for s in moe.values()) / n,
-        "moe_z_loss": sum(float(s.z_loss) for s in moe.values()) / n,
-        # MaxVio (Wang et al. 2024): max load / mean load − 1 of the last micro-batch, layer-averaged.
-        "moe_max_vio": sum(float(s.counts_E.max() / s.counts_E.float().mean().clamp_min(1e-9)) - 1
-                           for s in moe.values()) / n,
-    }
-    if all(s.remote_routes is not None for s in moe.values()):  # expert parallelism: this rank's tokens
-        out["moe_remote_routes_per_token"] = sum(float(s.remote_routes) for s in moe.values()) / n
-        out["moe_ep_ranks_per_token"] = sum(float(s.ranks_per_token) for s in moe.values()) / n
-    return out
-
-
-def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print,
-          hooks: StepHooks | None = None) -> Path:
+def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print) -> Path:
     """Train on this process, one rank of a launch (torchrun, srun, mpirun) or the only one;
     returns the run folder. `exit_after` stops (with a checkpoint) after that many steps of this
     invocation, as a preemption would. Raises NonFiniteError when training diverges."""
     info = detect_rank()
     validate_launch(cfg, info.world_size)  # before any process group starts
     if torch.distributed.is_initialized():  # a caller that already joined the group keeps it
-        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg), hooks)
+        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg))
     device = init_distributed(info)
     try:
         return _train(cfg, resume, exit_after, console if info.is_main else _quiet, info,
-                      device if info.world_size > 1 else resolve_device(cfg), hooks)
+                      device if info.world_size > 1 else resolve_device(cfg))
     finally:
         shutdown()
+
+
+def _train(cfg: Config, resume: str, exit_after: int | None, console, info: RankInfo, device: torch.device) -> Path:
+    t = cfg.train
+    run = _on_rank0(lambda: open_run_dir(cfg, resume))  # one decision, one folder, for all ranks
+    if info.world_size > 1:
+        console(f"{info.world_size} ranks, launched by {info.launcher}, rendezvous at {info.master_addr}:{info.master_port}")
+    if run.resume_from is not None and _checkpoint_step(run.resume_from) >= t.steps:
+        # A job requeued after its last step (the signal came late) must not spend its start.
+        console(f"{run.path} already finished: {run.resume_from} is at step {t.steps}; nothing to train")
+        return run.path
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    parts = _build(cfg, device)
+    state = _start_state(parts, run, info, console)
+    if cfg.model.moe.bias_update_rate > 0:  # after the resume: loading steps the optimizer once
+        ExpertBiasUpdate(parts.pm, cfg, device).register(parts.optimizer)
+    metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=state.step + 1 if state.step else None)
+    metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
+    meter, dashboards = start_run_dashboards(cfg, metrics, device, parts.bf16, world_size=info.world_size,
+                                             console=console)
+    checkpoints = CheckpointManager(run.checkpoints, t.checkpoint, parts.model, parts.optimizer, device=device,
+                                    expert_shards=parts.expert_shards, resumed_from=run.resume_from,
+                                    step=state.step, state=lambda: _checkpoint_state(parts, state, info.world_size),
+                                    console=console)
+    logger = StepLogger(t, metrics, meter, dashboards, start_step=state.step, enabled=info.is_main,
+                        evaluate=parts.evaluate, modules=parts.pm.modules, console=console)
+    stop_at = min(t.steps, state.step + exit_after) if exit_after else t.steps
+    with StopFlag() as stop, logger:
+        diverged = _loop(parts, state, stop, stop_at, logger, checkpoints)
+        stopped = stop.signum
+        last = checkpoints.finish(state.step, diverged=diverged is not None)
+    if diverged is not None:
+        raise NonFiniteError(diverged)
+    if stopped is not None:
+        saved = f"checkpoint {last}" if last else "nothing to save before the first step"
+        console(f"stopped by signal {signal.Signals(stopped).name} after step {state.step}; {saved}; "
+                f"rerun the same command to resume")
+    return run.path
+
+
+def _loop(parts: Components, state: TrainState, stop: StopFlag, stop_at: int, logger: StepLogger,
+          checkpoints: CheckpointManager) -> str | None:
+    """Train until step `stop_at` or a signal all ranks agree on; returns why the run diverged, or None."""
+    state.start_clock()
+    logger.start(state.step)
+    while state.step < stop_at and not stop.agreed(parts.device):
+        iteration_t0 = time.perf_counter()  # throughput counts training iterations only
+        lr, result, step_s = _step(parts, state, logger.meter)
+        logger.after_step(state, lr, result, step_s=step_s, iteration_s=time.perf_counter() - iteration_t0,
+                          failed_saves=checkpoints.failed_saves)
+        # Before the divergence check, whose message names the newest checkpoint: the step that
+        # exhausts the guard was skipped, and a skipped step is never saved.
+        checkpoints.after_step(state.step, result.skipped)
+        if state.skips.exhausted():
+            return stop_message(state.step, state.skips.last_reason, state.skips.limit, checkpoints.last)
+    return None
+
+
+def _step(parts: Components, state: TrainState, meter) -> tuple[float, StepResult, float]:
+    """One iteration: learning rate, batch, train_step → (lr, result, seconds of the step itself)."""
+    t = parts.cfg.train
+    lr = lr_at(state.step - state.skips.total, t, state.decay_steps)  # skipped steps do not move the schedule
+    set_lr(parts.optimizer, lr)
+    batch = parts.sampler.next_batch(t.batch_size).to(parts.device)
+    step_t0 = time.perf_counter()
+    tokens = t.batch_size * t.seq_len
+    with meter.step(parts.model, tokens):
+        result = train_step(parts.pm, parts.optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
+                            autocast=parts.autocast)
+    state.skips.record(result.skipped, result.reason)
+    step_s = time.perf_counter() - step_t0
+    state.step += 1
+    state.tokens += tokens
+    return lr, result, step_s
+
+
+def _build(cfg: Config, device: torch.device) -> Components:
+    """This rank's data, model and optimizer, in the order that fixes the random draws."""
+    t = cfg.train
+    bf16 = use_bf16(cfg, device)
+    data = load_token_data(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction)
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: must be >= the tokenizer's "
+                          f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
+    torch.manual_seed(t.seed)
+    pm = build_parallel_model(cfg, device)
+    for part in pm.modules:
+        part.set_kernel_backend(cfg.kernel.backend)
+    optimizer = optimizer_for(pm, t)
+    sampler = WindowSampler(data.train, t.seq_len, t.seed)
+    val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
+    return Components(cfg, pm, optimizer, sampler, val_batches, device, bf16, pm.expert_shards())
+
+
+def _start_state(parts: Components, run: RunDir, info: RankInfo, console) -> TrainState:
+    """Step 0, or where the checkpoint the run resumes from left off (its tensors and RNGs loaded)."""
+    t = parts.cfg.train
+    state = TrainState(decay_steps=t.lr_decay_steps or t.steps, skips=SkipGuard(t.max_skipped_steps))
+    if run.resume_from is None:
+        return state
+    saved = load_checkpoint(run.resume_from, parts.model, parts.optimizer, expert_shards=parts.expert_shards)
+    state.step, state.tokens, state.earlier_s = saved["step"], saved["tokens"], saved.get("elapsed_s", 0.0)
+    state.decay_steps = _schedule_length(t, saved, console)
+    state.skips.total = saved.get("skipped_steps", 0)
+    parts.sampler.load_state_dict(saved["sampler"])
+    if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
+        truncate_metrics(run.path, state.step)
+    console(f"resumed from {run.resume_from} at step {state.step}")
+    return state
+
+
+def _checkpoint_state(parts: Components, state: TrainState, world_size: int) -> dict:
+    """A checkpoint's plain data (rank 0's becomes its state.json)."""
+    return {"step": state.step, "tokens": state.tokens, "sampler": parts.sampler.state_dict(),
+            "lr_decay_steps": state.decay_steps, "skipped_steps": state.skips.total,
+            "elapsed_s": state.elapsed_s(),
+            "config": parts.cfg.to_dict(), "layout": {"world_size": world_size, **parts.cfg.to_dict()["parallel"]}}
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -224,168 +364,6 @@ def _on_rank0(fn):
     if not ok:
         raise value
     return value
-
-
-def _train(cfg: Config, resume: str, exit_after: int | None, console, info, device: torch.device,
-           hooks: StepHooks | None) -> Path:
-    t = cfg.train
-    run = _on_rank0(lambda: open_run_dir(cfg, resume))  # one decision, one folder, for all ranks
-    if info.world_size > 1:
-        console(f"{info.world_size} ranks, launched by {info.launcher}, rendezvous at {info.master_addr}:{info.master_port}")
-    if run.resume_from is not None and _checkpoint_step(run.resume_from) >= t.steps:
-        # A job requeued after its last step (the signal came late) must not spend its start.
-        console(f"{run.path} already finished: {run.resume_from} is at step {t.steps}; nothing to train")
-        return run.path
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    bf16 = use_bf16(cfg, device)
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-
-    data = load_token_data(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction)
-    if data.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: must be >= the tokenizer's "
-                          f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
-    torch.manual_seed(t.seed)
-    pm = build_parallel_model(cfg, device)
-    model = pm.module  # all of this rank's parameters, whatever the pipeline schedule
-    for part in pm.modules:
-        part.set_kernel_backend(cfg.kernel.backend)
-    optimizer = optimizer_for(pm, t)
-    sampler = WindowSampler(data.train, t.seq_len, t.seed)
-    val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
-    step, tokens, elapsed = 0, 0, 0.0
-    guard = SkipGuard(t.max_skipped_steps)
-    decay_steps = t.lr_decay_steps or t.steps
-    # Routed experts are plain pieces per ep (and, with etp = tp, tp) rank; the checkpoint stores
-    # each weight as one tensor.
-    ep_shards = pm.expert_shards()
-    if run.resume_from is not None:
-        state = load_checkpoint(run.resume_from, model, optimizer, expert_shards=ep_shards)
-        step, tokens, elapsed = state["step"], state["tokens"], state.get("elapsed_s", 0.0)
-        decay_steps = _schedule_length(t, state, console)
-        guard.total = state.get("skipped_steps", 0)
-        sampler.load_state_dict(state["sampler"])
-        if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
-            truncate_metrics(run.path, step)
-        console(f"resumed from {run.resume_from} at step {step}")
-
-    metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=step + 1 if step else None)
-    metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
-    meter, dashboards = start_run_dashboards(cfg, metrics, device, bf16, world_size=info.world_size, console=console)
-    tokens_per_step = t.batch_size * t.seq_len
-
-    checkpointer = Checkpointer(run.checkpoints, keep=t.checkpoint.keep, async_save=t.checkpoint.async_save,
-                                expert_shards=ep_shards)
-    saved_step = step if run.resume_from is not None else None
-
-    def checkpoint() -> Path | None:
-        """The finished checkpoint, or None while an async one is being written."""
-        nonlocal saved_step
-        saved_step = step
-        if not all_finite([*model.parameters(), *optimizer_tensors(optimizer)], device):
-            raise NonFiniteError(f"step {step}: weights or optimizer state are not finite; no checkpoint "
-                                 f"written, the last good one is {last_ckpt or 'none'}")
-        return checkpointer.save(step, model, optimizer, {
-            "step": step, "tokens": tokens, "sampler": sampler.state_dict(), "lr_decay_steps": decay_steps,
-            "skipped_steps": guard.total,
-            "elapsed_s": time.perf_counter() - clock0,
-            "config": cfg.to_dict(), "layout": {"world_size": info.world_size, **cfg.to_dict()["parallel"]}})
-
-    failed_saves = 0
-
-    def periodic(save: Callable[[], Path | None]) -> Path | None:
-        """A periodic save (or poll of one in flight) under train.checkpoint.on_error."""
-        nonlocal failed_saves
-        try:
-            return save()
-        except CheckpointError as e:  # raised on every rank alike, so every rank goes on alike
-            if t.checkpoint.on_error == "stop":
-                raise
-            failed_saves += 1
-            console(f"{e}; training continues (train.checkpoint.on_error=continue)")
-            return None
-
-    last_ckpt = run.resume_from
-    stopped = diverged = None
-    # closing: metrics.jsonl and TensorBoard's files are closed on an error too (a failed save).
-    with StopFlag() as stop, Progress(total=t.steps, start=step, enabled=info.is_main) as progress, \
-            contextlib.closing(metrics):
-        # Throughput counts the time of training iterations only, not evaluation or checkpoints.
-        window_time, window_tokens = 0.0, 0
-        clock0 = time.perf_counter() - elapsed  # wall time of every attempt of this run, summed
-        stop_at = min(t.steps, step + exit_after) if exit_after else t.steps
-        if step == 0:
-            # Where the validation curve starts (an untrained model sits near ln(vocab_size));
-            # TensorBoard only, so every metrics.jsonl record is a training step. Every rank
-            # evaluates: the loss is reduced across them.
-            initial_val_loss = evaluate(pm, val_batches, autocast, device)
-            if metrics.tensorboard is not None:
-                metrics.tensorboard.add_scalar("val_loss", initial_val_loss, 0)
-        while step < stop_at and not stop.agreed(device):
-            iter_t0 = time.perf_counter()
-            lr = lr_at(step - guard.total, t, decay_steps)  # skipped steps do not move the schedule
-            set_lr(optimizer, lr)
-            batch = sampler.next_batch(t.batch_size).to(device)
-            step_t0 = time.perf_counter()
-            if hooks is not None:
-                hooks.before_step(step + 1, pm)
-            after_backward = (lambda: hooks.after_backward(step + 1, pm)) if hooks is not None else None
-            with meter.step(model, tokens_per_step):
-                result = train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
-                                    autocast=autocast, after_backward=after_backward)
-            guard.record(result.skipped, result.reason)
-            if cfg.model.moe.bias_update_rate > 0:  # aux-loss-free balancing, after the optimizer step
-                if result.skipped:
-                    clear_expert_counts(pm.modules)
-                else:
-                    update_expert_biases(pm.modules, pm.mesh, cfg.model.n_layers, cfg.model.moe.num_experts, device)
-            step_time = time.perf_counter() - step_t0
-            step += 1
-            tokens += tokens_per_step
-            window_tokens += tokens_per_step
-            window_time += time.perf_counter() - iter_t0
-            record = {"loss": result.loss, "lr": lr, "tokens": tokens,
-                      "elapsed_s": round(time.perf_counter() - clock0, 3)}
-            if result.skipped:
-                console(f"step {step}: skipped, not finite ({result.reason}); weights unchanged")
-            if step % t.log_every == 0 or step == t.steps or result.skipped:
-                if failed_saves:
-                    record["failed_saves"] = failed_saves
-                record.update(grad_norm=result.grad_norm, skipped_steps=guard.total, aux_loss=result.aux_loss,
-                              tokens_per_s=window_tokens / window_time, step_time=step_time,
-                              **moe_summary(result.moe))
-                record.update(meter.window(window_tokens, window_time))
-                dashboards.log_moe(step, result.moe)
-                dashboards.log_bias(step, {i: r.expert_bias_E for i, r in biased_routers(pm.modules).items()})
-                window_time, window_tokens = 0.0, 0
-            if step % t.eval_every == 0 or step == t.steps:
-                record["val_loss"] = evaluate(pm, val_batches, autocast, device)
-            if len(record) > 4:
-                metrics.log(step, record)
-            progress.update(step, record)
-            last_ckpt = periodic(checkpointer.poll) or last_ckpt
-            if guard.exhausted():
-                diverged = stop_message(step, guard.last_reason, guard.limit, last_ckpt)
-                break
-            if t.checkpoint.every and step % t.checkpoint.every == 0 and not result.skipped:
-                last_ckpt = periodic(checkpoint) or last_ckpt
-        stopped = stop.signum
-        # A periodic save still in flight settles first, so its failure is not the final one's.
-        last_ckpt = periodic(checkpointer.wait) or last_ckpt
-        # Before a fresh run's first step there is nothing to save, and a checkpoint of an optimizer
-        # that never stepped would not restore as one (DCP initializes its state by stepping it).
-        if saved_step != step and step > 0 and diverged is None:
-            last_ckpt = checkpoint() or last_ckpt
-        last_ckpt = checkpointer.wait() or last_ckpt
-    if diverged is not None:
-        raise NonFiniteError(diverged)
-    if stopped is not None:
-        saved = f"checkpoint {last_ckpt}" if last_ckpt else "nothing to save before the first step"
-        console(f"stopped by signal {signal.Signals(stopped).name} after step {step}; {saved}; "
-                f"rerun the same command to resume")
-    return run.path
 
 
 def _schedule_length(t, state: dict, console) -> int:

@@ -4,6 +4,7 @@
 Legend: B batch, S sequence, T = B·S tokens, D model dim, F expert hidden dim, E experts, K top-k.
 """
 
+import copy
 import math
 
 import pytest
@@ -150,7 +151,7 @@ def test_padded_expert_groups_change_nothing(dtype, capacity_factor):
         layer.experts.row_multiple = rows
         x_BSD = torch.randn(2, 40, 32, generator=torch.Generator().manual_seed(4)).abs().to(dtype).requires_grad_()
         routing = layer.router(x_BSD.reshape(-1, 32), num_sequences=2)
-        layouts[rows] = layer.dispatcher.dispatch(x_BSD.reshape(-1, 32), routing, row_multiple=rows)
+        layouts[rows] = layer.hooks.dispatcher.dispatch(x_BSD.reshape(-1, 32), routing)
         y_BSD, stats = layer(x_BSD)
         dy_BSD = torch.randn(y_BSD.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
         (y_BSD * dy_BSD).sum().add(stats.aux_loss + stats.z_loss).backward()
@@ -177,6 +178,52 @@ def test_group_row_multiple_pads_only_large_cpu_bf16_groups():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert layer.experts.group_row_multiple(x_TD, CPU_GROUP_MIN_ROWS) == CPU_GROUP_ROWS
     assert layer.experts.group_row_multiple(x_TD, CPU_GROUP_MIN_ROWS) == 1
+
+
+class _CountingDispatcher:
+    """Any object keeping the `Dispatcher` contract: here the layer's own, counting its calls."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, []
+
+    def dispatch(self, x_TD, routing):
+        self.calls.append("dispatch")
+        return self.inner.dispatch(x_TD, routing)
+
+    def combine(self, y_RD, state):
+        self.calls.append("combine")
+        return self.inner.combine(y_RD, state)
+
+    def spread(self, routing):
+        self.calls.append("spread")
+        return self.inner.spread(routing)
+
+
+def test_layer_runs_any_dispatcher_in_its_hooks():
+    """The layer asks its dispatcher for the contract and nothing else: a stand-in in its hooks
+    gets dispatch, combine and spread once each and gives the same output."""
+    layer = _layer(_config(), seed=2)
+    x_BSD = torch.randn(2, 6, 8, generator=torch.Generator().manual_seed(0))
+    want_BSD, _ = layer(x_BSD)
+    layer.hooks.dispatcher = stand_in = _CountingDispatcher(layer.hooks.dispatcher)
+    got_BSD, _ = layer(x_BSD)
+    assert stand_in.calls == ["dispatch", "combine", "spread"] and torch.equal(got_BSD, want_BSD)
+
+
+def test_a_copied_layer_pads_groups_as_its_own_experts_prefer():
+    """A deep copy (what a pipeline stage is made of) has its own hooks, and its dispatcher asks
+    the copy's experts for the row multiple, not the original's."""
+    layer = _layer(_config(), seed=2)
+    twin = copy.deepcopy(layer)
+    twin.experts.row_multiple = 16
+    assert twin.hooks is not layer.hooks
+    x_TD = torch.randn(12, 8, generator=torch.Generator().manual_seed(0))
+    routing = layer.router(x_TD)
+    offsets_E = layer.hooks.dispatcher.dispatch(x_TD, routing)[1]
+    twin_offsets_E = twin.hooks.dispatcher.dispatch(x_TD, routing)[1]
+    assert int(offsets_E[-1]) == 12 * 2  # exact groups: every route, no padding
+    assert torch.all(torch.diff(twin_offsets_E, prepend=twin_offsets_E.new_zeros(1)) % 16 == 0)
+    assert int(twin_offsets_E[-1]) > 12 * 2
 
 
 def test_dropped_tokens_get_exactly_zero():

@@ -211,7 +211,7 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
                 for layer, router in routers.items():
                     if j == 0:  # a dp rank's first micro-batch: its running count starts over
                         router.start_batch()
-                    router.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
+                    router.hooks.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
             res = model(micro[:, :-1])
             ce = cross_entropy(res.logits_BSV, micro[:, 1:])
             ((ce + res.aux_loss) / chunks).backward()

@@ -64,10 +64,10 @@ def test_local_queries_over_gathered_keys_equal_whole_sequence_attention(backend
         return {"alibi_slopes_H": alibi_slopes(H).double()}
 
     want_BSD = attn(x_BSD, **kwargs(torch.arange(S)))
-    attn.kv_exchange = _Recorded(cp)
+    attn.hooks.kv_exchange = _Recorded(cp)
     shards = [ContextShard(None, cp, r) for r in range(cp)]
     for serving in (False, True):
-        attn.kv_exchange.serving = serving
+        attn.hooks.kv_exchange.serving = serving
         got = []
         for r, shard in enumerate(shards):
             positions_S = shard.positions(S // cp, "cpu")

@@ -9,8 +9,8 @@ start the same run, SIGKILL every rank at a random moment, read what the kill le
 phase of the save it interrupted), resume with `--resume auto` semantics to the last step, and
 compare every logged loss with the reference. A checkpoint every step keeps a save in flight most
 of the time. Random kills land almost always in the shard writes, the longest phase; so each mode
-also has one trial per phase in which the save of a random step stops there (the checkpoint's
-STALL_ENV hook) and the kill comes once the disk shows it. One JSON line per trial and a summary
+also has one trial per phase in which the save of a random step stops there (`stall_saves`
+patches the checkpoint writer in the forked ranks) and the kill comes once the disk shows it. One JSON line per trial and a summary
 go to stdout.
 
 Kill points, read off the disk after the kill (the save at the newest step being written):
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moetron.launcher.checkpoint.store import COMPLETE, STALL_ENV, complete_checkpoints
+from moetron.launcher.checkpoint.store import COMPLETE, Checkpointer, complete_checkpoints, step_of
 from moetron.launcher.config import load_config
 from moetron.launcher.data.corpus import write_shards
 from moetron.launcher.data.tokenizer import ByteTokenizer
@@ -62,6 +62,36 @@ def free_port() -> int:
 
 
 PHASES = ("shards", "manifest", "rename", "latest")
+# The Checkpointer method that starts each phase after the first (Checkpointer._publish).
+PHASE_STARTS = {"manifest": "_mark_complete", "rename": "_move_into_place", "latest": "_point_latest"}
+
+
+def stall_saves(plan: str) -> None:
+    """Make this process's save of STEP stop for an hour at PHASE ("STEP:PHASE"; "STEP" alone means
+    STEP:shards), so a kill lands there deterministically: "shards" (each rank, its shards and
+    manifest part written), "manifest" (rank 0, merged manifest written, no COMPLETE), "rename"
+    (COMPLETE written, folder not renamed), "latest" (renamed, pointer not moved)."""
+    step_text, _, phase = plan.partition(":")
+    step, phase = int(step_text), phase or "shards"
+    if phase == "shards":
+        finish_rank = Checkpointer._finish_rank
+
+        def stalled_finish_rank(self, at: int, tmp: Path) -> None:
+            finish_rank(self, at, tmp)
+            if at == step:
+                time.sleep(3600)
+
+        Checkpointer._finish_rank = stalled_finish_rank
+        return
+    name = PHASE_STARTS[phase]
+    start_phase = getattr(Checkpointer, name)
+
+    def stalled(self, *args) -> None:  # the last argument is the final checkpoint folder
+        if step_of(args[-1]) == step:
+            time.sleep(3600)
+        start_phase(self, *args)
+
+    setattr(Checkpointer, name, stalled)
 
 
 def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> list[int]:
@@ -76,7 +106,7 @@ def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> lis
                 os.dup2(devnull, 1)
                 os.dup2(devnull, 2)
                 if stall:
-                    os.environ[STALL_ENV] = stall
+                    stall_saves(stall)
                 if ranks > 1:
                     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
                                       LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from moetron.launcher.perf import flops
+from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 
@@ -98,52 +99,9 @@ def test_attention_overtakes_the_ffn_at_8d_causal_and_4d_full_square():
     assert flops.flops_by_component(cfg, 8 * d)["attention_scores"] == 2 * at_8d["dense_ffn"]
 
 
-def test_memory_per_rank_splits_by_layout():
-    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, vocab_size=256,
-                      moe=MoEConfig(num_experts=8, top_k=2))
-    one = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2)
-    assert one.weights == flops.params_total(cfg) * 4
-    assert one.grads == one.weights and one.optimizer == 2 * one.weights
-    assert one.total == one.weights + one.grads + one.optimizer + one.activations
-    experts = flops.matmul_params(cfg, active=False)["experts"]
-    ep = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, ep=4, dp=4, dp_mode="ddp")
-    assert one.weights - ep.weights == pytest.approx(experts * 4 * 3 / 4, rel=1e-6)
-    fsdp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, dp=4, dp_mode="fsdp")
-    assert fsdp.weights == pytest.approx(one.weights / 4, rel=1e-6) and fsdp.activations == one.activations
-    tp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, tp=2, etp=2)
-    assert tp.weights == pytest.approx(one.weights / 2, rel=1e-6) and tp.activations < one.activations
-    # etp = 1: routed experts stay whole on every tp rank.
-    tp_replicated = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, tp=2)
-    assert tp_replicated.weights - tp.weights == pytest.approx(experts * 4 / 2, rel=1e-6)
-    eager = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, flash_attention=False)
-    assert eager.activations > one.activations
-    pp = flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, pp=2, microbatches_in_flight=2)
-    assert pp.weights < one.weights
-
-
-def test_memory_per_rank_by_data_parallel_mode():
-    """DP4 on one copy of the weights: FSDP splits all three by 4; HSDP 2 × 2 by 2; ZeRO-1 only
-    the optimizer state by 4; replication nothing. Context parallelism adds cp to the split and
-    divides the tokens a rank holds."""
-    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, vocab_size=256,
-                      moe=MoEConfig(num_experts=8, top_k=2))
-    kw = dict(seq_len=128, micro_batch=2, dp=4)
-    ddp = flops.memory_per_rank(cfg, dp_mode="ddp", **kw)
-    fsdp = flops.memory_per_rank(cfg, dp_mode="fsdp", **kw)
-    hsdp = flops.memory_per_rank(cfg, dp_mode="hsdp", dp_shard=2, **kw)
-    zero1 = flops.memory_per_rank(cfg, dp_mode="zero1", **kw)
-    assert ddp.weights == flops.params_total(cfg) * 4
-    assert fsdp.weights == pytest.approx(ddp.weights / 4, rel=1e-6) and fsdp.optimizer == pytest.approx(ddp.optimizer / 4, rel=1e-6)
-    assert hsdp.weights == pytest.approx(ddp.weights / 2, rel=1e-6) and hsdp.grads == pytest.approx(ddp.grads / 2, rel=1e-6)
-    assert zero1.weights == ddp.weights and zero1.grads == ddp.grads
-    assert zero1.optimizer == pytest.approx(ddp.optimizer / 4, rel=1e-6)
-    cp = flops.memory_per_rank(cfg, dp_mode="fsdp", cp=2, **kw)
-    assert cp.weights == pytest.approx(fsdp.weights / 2, rel=1e-6) and cp.activations < fsdp.activations
-
-
 def test_accounting_has_the_documented_fields():
     cfg = ModelConfig(d_model=64, n_layers=2, n_heads=4, d_ff=128)
-    acct = flops.accounting(cfg, seq_len=256, batch=4, memory=flops.memory_per_rank(cfg, seq_len=256, micro_batch=4))
+    acct = flops.accounting(cfg, seq_len=256, batch=4, memory=memory_per_rank(cfg, seq_len=256, micro_batch=4).to_dict())
     for key in ("params_total", "params_embedding", "params_active", "flops_per_token_6n", "attention_flops_per_token",
                 "attention_flops_per_token_causal", "flops_per_token", "kv_cache_bytes_per_token", "kv_cache_bytes",
                 "components", "memory_per_rank", "convention"):
@@ -151,18 +109,3 @@ def test_accounting_has_the_documented_fields():
     assert acct["kv_cache_bytes"] == acct["kv_cache_bytes_per_token"] * 256 * 4
     assert {f for f, _, _ in flops.summary_rows(acct)} >= {"params_active", "flops_per_token", "kv_cache_bytes"}
     assert list(itertools.islice(acct["components"], 1)) == ["attention_projections"]
-
-
-def test_selective_checkpointing_drops_the_activation_and_router_probabilities():
-    """Keeping matmul outputs only: SwiGLU keeps gate and up (not silu(gate) and the product) per
-    FFN hidden unit, the router its logits (not its fp32 probabilities); everything else stays."""
-    cfg = ModelConfig(d_model=64, n_layers=4, n_heads=4, d_ff=128, vocab_size=256, activation="swiglu",
-                      moe=MoEConfig(num_experts=8, top_k=2, d_expert=96))
-    none = flops.activation_elements_per_token(cfg)
-    selective = flops.activation_elements_per_token(cfg, selective=True)
-    assert none["dense_layer"] - selective["dense_layer"] == 2 * 128
-    assert none["moe_layer"] - selective["moe_layer"] == (64 + 8) + 2 * (2 * 96)
-    by_mode = {mode: flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, activation_checkpoint=mode).activations
-               for mode in ("none", "selective", "full")}
-    assert by_mode["full"] < by_mode["selective"] < by_mode["none"]
-    assert flops.memory_per_rank(cfg, seq_len=128, micro_batch=2, activation_checkpoint=True).activations == by_mode["full"]

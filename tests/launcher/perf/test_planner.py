@@ -72,37 +72,48 @@ def test_predicted_weights_grads_and_optimizer_equal_a_real_model():
     assert mem["optimizer"] == sum(v.nbytes for s in optimizer.state.values() for v in s.values() if v.ndim > 0)
 
 
+# tiny.yaml's parameters, by hand: per block two RMSNorm gains, W_q (8 heads of 32), W_k and W_v
+# (4 heads each) and W_o on D = 256, the router (8 × 256) and 8 SwiGLU experts (3 matrices of
+# 256 × 512); then 4 blocks, the embedding, the final norm and the untied head (V = 320).
+TINY_BLOCK = 2 * 256 + (8 * 32 + 2 * 4 * 32) * 256 + 256 * 256 + 8 * 256 + 3 * 8 * 256 * 512  # 3,344,896
+TINY_PARAMS = 4 * TINY_BLOCK + 320 * 256 + 256 + 320 * 256  # 13,543,680
+
+
 def test_per_kind_bandwidth_fsdp_copies_and_oversubscription_enter_the_time_as_stated():
     """The CPU profile's refinements, each against its formula: a collective kind at half the bus
     bandwidth takes its bytes' time twice; FSDP's copies move 2× the gathered and 4× the scattered
     bytes through memory; a bubble on an oversubscribed CPU costs 1/oversubscription."""
-    from moetron.launcher.perf.comm_volume import predict_step
-    from moetron.launcher.perf.planner import WIRE_FACTOR, predict
+    from moetron.launcher.perf.planner import predict
 
     cfg = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16"])
     base = DeviceProfile("cpu", 1e11, 6e9, 0.5, 1e9, 0.0, 1e9, 0.0, hbm_bw=1e10, dp_overlap=0.0)
     fsdp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4"], world_size=4).parallel)
     plain, slow = (predict(cfg, fsdp, DeviceProfile(**{**base.to_dict(), "kind_bw": kind}), gpus_per_node=4)
                    for kind in ({}, {"reduce_scatter": 0.5}))
-    traffic = predict_step(cfg.model, fsdp.parallel, batch=16, seq_len=cfg.train.seq_len)
-    scattered = sum(t.bytes for t in traffic if t.kind == "reduce_scatter") / 4  # per rank
-    gathered = sum(t.bytes for t in traffic if t.kind == "all_gather") / 4
+    # Per rank, FSDP over 4 ranks reduce-scatters every fp32 gradient once (the full input) and
+    # gathers every fp32 parameter twice (forward, then again for backward).
+    scattered = TINY_PARAMS * 4
+    gathered = 2 * TINY_PARAMS * 4
+    # A reduce-scatter over 4 ranks puts 3/4 of its input on the wire: at 1 GB/s, then at 0.5 GB/s.
     assert slow.times["comm_total"] - plain.times["comm_total"] == pytest.approx(
-        scattered * WIRE_FACTOR["reduce_scatter"](4) / 1e9)
+        scattered * 3 / 4 / 0.5e9 - scattered * 3 / 4 / 1e9)
     ddp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4", "parallel.dp_mode=ddp"], world_size=4).parallel)
     no_copies = predict(cfg, ddp, base, gpus_per_node=4).times["memory_bound"]
-    # The optimizer reads and writes what the rank holds (DDP: all of it, FSDP: a quarter); beyond
-    # that the two differ by FSDP's copies only.
-    def optimizer_pass(layout):
-        m = predict_memory(cfg, layout)
-        return 2 * (m["weights"] + m["grads"] + m["optimizer"]) / 1e10
-
-    copies = plain.times["memory_bound"] - optimizer_pass(fsdp) - (no_copies - optimizer_pass(ddp))
-    assert copies == pytest.approx((2 * gathered + 4 * scattered) / 1e10)
+    # The two differ by FSDP's copies (gathered bytes read + written, scattered bytes packed and
+    # divided) and by the optimizer's pass, which reads and writes what the rank holds: weights,
+    # grads and both AdamW moments, 4 + 4 + 8 bytes per parameter, all of them under DDP and a
+    # quarter under FSDP.
+    copies = 2 * gathered + 4 * scattered
+    optimizer_pass_saved = 2 * (4 + 4 + 8) * TINY_PARAMS * (1 - 1 / 4)
+    assert plain.times["memory_bound"] - no_copies == pytest.approx((copies - optimizer_pass_saved) / 1e10)
     pp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2).parallel)
     one, two = (predict(cfg, pp, DeviceProfile(**{**base.to_dict(), "oversubscription": o}), gpus_per_node=2)
                 for o in (1.0, 2.0))
+    # 1F1B over 2 stages and 2 micro-batches idles (2 - 1) / 2 of its busy time; half that with 2 ranks a core.
     assert one.bubble == pytest.approx(0.5) and two.bubble == pytest.approx(0.25)
+    assert one.step_s / 1.5 == pytest.approx(two.step_s / 1.25)  # the same busy time
+    assert one.times["bubble"] == pytest.approx(one.step_s * 0.5 / 1.5)
+    assert two.times["bubble"] == pytest.approx(two.step_s * 0.25 / 1.25)
 
 
 def test_plan_cli_json_and_overrides(tmp_path):
@@ -117,6 +128,37 @@ def test_plan_cli_json_and_overrides(tmp_path):
     assert best.stdout.split() == first["layout"]["overrides"]
     table = moetron("plan", "configs/tiny.yaml", "--gpus", "4", "--gpu", "A100", "--top", "2")
     assert table.returncode == 0 and "best as overrides: parallel.pp=" in table.stdout
+
+
+def test_plan_cli_json_with_dropped_layouts_says_what_the_table_says(tmp_path):
+    """A device of 100 MB: of tiny's 156 parallel sections on 4 ranks, 91 fit and 65 do not. The
+    JSON carries the same counts, rows and leanest dropped layout as the table."""
+    save_profile(DeviceProfile("cpu", 1e11, 1e8, 0.5, 1e9, 1e-5, 1e9, 1e-5, hbm_bw=1e10, dp_overlap=0.0),
+                 tmp_path / "moetron" / "plan_profile.json")
+    argv = ("plan", "configs/tiny.yaml", "--gpus", "4", "--gpus-per-node", "4", "--gpu", "cpu", "--top", "1000")
+    env = {"XDG_CACHE_HOME": str(tmp_path)}
+    out, table = moetron(*argv, "--json", env=env), moetron(*argv, env=env)
+    assert out.returncode == 0, out.stderr
+    assert table.returncode == 0, table.stderr
+    data = json.loads(out.stdout)
+    assert (len(data["ranked"]), len(data["dropped"])) == (91, 65)
+    assert (f"{data['considered']} layouts valid, 91 parallel sections fit, 65 do not"
+            in " ".join(table.stdout.split()))
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.stdout.splitlines()
+            if line.startswith("│")]
+    assert [(int(r[0]), r[1], r[2]) for r in rows] == [
+        (p["rank"], p["layout"]["label"], f"{p['step_s']:.3g}") for p in data["ranked"]]
+    for p in data["dropped"]:
+        assert not p["fits"] and p["memory"]["total"] > 0.9 * 1e8
+        assert p["reason"] == f"needs {p['memory']['total'] / 2**30:.1f} GiB per rank, more than 90% of 0 GiB"
+    totals = [p["memory"]["total"] for p in data["dropped"]]
+    assert totals == sorted(totals)
+    leanest = data["dropped"][0]
+    assert f"e.g. {leanest['layout']['label']}: {leanest['reason']}" in table.stdout
+    # --where filters the dropped layouts as it does the ranked ones.
+    where = json.loads(moetron(*argv, "--json", "--where", "dp_mode=ddp", env=env).stdout)
+    assert where["dropped"] == [p for p in data["dropped"] if "parallel.dp_mode=ddp" in p["layout"]["overrides"]]
+    assert where["dropped"] and len(where["dropped"]) < len(data["dropped"])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -153,23 +195,26 @@ def test_plan_check_memory_and_bytes_match_a_measured_run(tmp_path):
 def test_expert_imbalance_scales_only_the_routed_rows_of_expert_parallel_layouts():
     """The busiest ep rank's routes over the mean multiply the routed rows (their activations and
     the received all-to-all buffer); capacity caps it; without EP nothing changes."""
-    from moetron.launcher.perf.flops import activation_elements_per_token
-
     cfg = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4",
                                               "parallel.ep=4"], world_size=4)
     layout = Layout(cfg.parallel)
     one, two = (predict_memory(cfg, layout, expert_imbalance=x) for x in (1.0, 2.0))
-    m = cfg.model
-    per_route = activation_elements_per_token(m)["moe_layer"] - activation_elements_per_token(
-        m, expert_imbalance=0.0)["moe_layer"]  # the routed rows' elements per token, balanced
-    n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
-    tokens = 16 // 4 * cfg.train.seq_len
-    assert two["activations"] - one["activations"] == pytest.approx(n_moe * per_route * tokens * 4, rel=1e-6)
-    assert two["buffers"] - one["buffers"] == pytest.approx(tokens * m.moe.top_k * m.d_model * 4)
+    # A rank runs 16 / 4 sequences of 256 tokens at once, fp32. Per token and MoE layer each of
+    # its K = 2 routes keeps the dispatched row and the expert's output row (D = 256 each) and
+    # SwiGLU's four hidden tensors (gate, up, silu(gate), product: 4 × 512); twice the routes
+    # (imbalance 2) keep that again, in each of the 4 MoE layers.
+    tokens = 16 // 4 * 256
+    routed = 2 * (2 * 256 + 4 * 512)  # 5,120 elements per token and layer
+    assert two["activations"] - one["activations"] == pytest.approx(4 * routed * tokens * 4, rel=1e-6)
+    # The all-to-all receive buffer holds the K routes' rows of D fp32; twice the routes, twice that.
+    assert two["buffers"] - one["buffers"] == pytest.approx(tokens * 2 * 256 * 4)
     capped = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4",
                                                  "parallel.ep=4", "model.moe.capacity_factor=1.25"], world_size=4)
     assert predict_memory(capped, layout, expert_imbalance=2.0) == predict_memory(capped, layout,
                                                                                    expert_imbalance=1.25)
+    capped_one = predict_memory(capped, layout)
+    assert predict_memory(capped, layout, expert_imbalance=2.0)["activations"] - capped_one["activations"] == (
+        pytest.approx(0.25 * 4 * routed * tokens * 4, rel=1e-6))
     dp = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4"],
                      world_size=4)
     assert predict_memory(dp, Layout(dp.parallel), expert_imbalance=2.0) == predict_memory(dp, Layout(dp.parallel))

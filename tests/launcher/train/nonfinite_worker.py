@@ -7,6 +7,7 @@ one rank's batch poisoned (its embedding output NaN) from step 2 on. Each run's 
 or the NonFiniteError line) goes to RUN_DIR/<name>.outcome.json for the test to read.
 """
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ import torch.distributed as dist
 
 from moetron.launcher.cluster.bootstrap import detect_rank, init_distributed, shutdown
 from moetron.launcher.config import load_config
+from moetron.launcher.train import trainer
 from moetron.launcher.train.nonfinite import NonFiniteError
-from moetron.launcher.train.trainer import StepHooks, train
+from moetron.launcher.train.trainer import train
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
@@ -25,6 +27,38 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "train.eval_batches=1", "train.warmup_steps=2", "train.threads=1", "train.precision=fp32", "train.steps=6",
          "train.checkpoint.every=1", "train.checkpoint.keep=100", "train.max_skipped_steps=3",
          "parallel.dp=2", "parallel.ep=2"]
+
+
+class StepHooks:
+    """Calls into one run around each step; `step` is the 1-based number of the step running."""
+
+    def before_step(self, step, pm):
+        """Before the forward passes of `step`."""
+
+    def after_backward(self, step, pm):
+        """After the backward passes of `step`, before the gradients are reduced, clipped and applied."""
+
+
+@contextlib.contextmanager
+def hooked(hooks: StepHooks | None):
+    """The trainer's train_step, wrapped to call `hooks`, for the runs inside (fresh runs: the
+    calls count the steps)."""
+    if hooks is None:
+        yield
+        return
+    original, steps = trainer.train_step, [0]
+
+    def train_step(pm, optimizer, batch, **kwargs):
+        steps[0] += 1
+        step = steps[0]
+        hooks.before_step(step, pm)
+        return original(pm, optimizer, batch, **kwargs, after_backward=lambda: hooks.after_backward(step, pm))
+
+    trainer.train_step = train_step
+    try:
+        yield
+    finally:
+        trainer.train_step = original
 
 
 class PoisonGradient(StepHooks):
@@ -55,7 +89,8 @@ class PoisonBatch(StepHooks):
 def run(run_dir: Path, name: str, hooks: StepHooks | None) -> None:
     cfg = load_config(TINY, [*SMALL, f"train.run_dir={run_dir}", f"train.name={name}"])
     try:
-        train(cfg, console=lambda *_: None, hooks=hooks)
+        with hooked(hooks):
+            train(cfg, console=lambda *_: None)
         outcome = {"finished": True}
     except NonFiniteError as e:
         outcome = {"finished": False, "error": str(e)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moetron.launcher.config import load_config
-from moetron.launcher.train.run_dir import RunError
+from moetron.launcher.run_dir import RunError
 from moetron.launcher.train.trainer import train
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
@@ -225,15 +225,15 @@ def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing
 
 
 @pytest.mark.parametrize("on_error", ["continue", "stop"])
-def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run_dir, tmpfs, on_error):
+def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run_dir, tmpfs, on_error, monkeypatch):
     """A real disk that fills up: a ballast file leaves room for one checkpoint beside the last, so
-    the step-4 save fails with ENOSPC; the hook deletes the ballast before step 5. With
+    the step-4 save fails with ENOSPC; a wrapped train_step deletes the ballast before step 5. With
     on_error=continue training goes on with the uninterrupted run's losses and the final step-6
     save succeeds (its weights equal the uninterrupted run's); with stop the run ends at step 4.
     Either way the step-2 checkpoint stays `latest` while it is the newest, and no partial
     folder is left behind."""
     from moetron.launcher.checkpoint.store import CheckpointError, consolidated_model_state
-    from moetron.launcher.train.trainer import StepHooks
+    from moetron.launcher.train import trainer
 
     knobs = ("train.steps=6", "train.checkpoint.every=2", "train.checkpoint.keep=1", "train.precision=fp32")
     ref = train(small(tmp_run_dir, *knobs, "train.name=ref"), console=lambda *_: None)
@@ -245,25 +245,29 @@ def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run
     ballast = disk / "ballast"
     ballast.write_bytes(b"\0" * ckpt_bytes)
 
-    class FreeSpace(StepHooks):
-        def before_step(self, step, pm):
-            if step == 5:
-                ballast.unlink(missing_ok=True)
+    original, calls = trainer.train_step, []
 
+    def train_step(*args, **kwargs):  # the 5th call is step 5 of the run below
+        calls.append(None)
+        if len(calls) == 5:
+            ballast.unlink(missing_ok=True)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_step", train_step)
     lines = []
     cfg = load_config(TINY, [*SMALL, f"train.run_dir={disk}", *knobs, "train.name=full",
                              f"train.checkpoint.on_error={on_error}"])
     ckpts = disk / "full" / "checkpoints"
     if on_error == "stop":
         with pytest.raises(CheckpointError) as err:
-            train(cfg, console=lines.append, hooks=FreeSpace())
+            train(cfg, console=lines.append)
         message = str(err.value)
         assert message.startswith("saving checkpoint step-00000004 failed: No space left on device"), message
         assert "step-00000002 and `latest` are intact" in message and "\n" not in message
         assert [r["step"] for r in records(disk / "full")][-1] == 4
         assert (ckpts / "latest").read_text().strip() == "step-00000002"
     else:
-        train(cfg, console=lines.append, hooks=FreeSpace())
+        train(cfg, console=lines.append)
         failed = [line for line in lines if "failed" in line]
         assert len(failed) == 1 and failed[0].startswith("saving checkpoint step-00000004 failed: No space left")
         assert failed[0].endswith("training continues (train.checkpoint.on_error=continue)")
@@ -277,3 +281,28 @@ def test_a_full_disk_during_a_save_keeps_training_or_stops_as_configured(tmp_run
         assert ours.keys() == theirs.keys() and all(ours[k].equal(theirs[k]) for k in ours)
     assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith((".tmp", "step-"))) == \
         (["step-00000002"] if on_error == "stop" else ["step-00000006"])
+
+
+def test_the_expert_bias_update_runs_once_per_optimizer_step_even_when_steps_nest(monkeypatch):
+    """ZeRO-1's optimizer steps through AdamW.step, which torch wraps with the same hooks once any
+    AdamW exists: the bias update (a collective) must still run once per step."""
+    from types import SimpleNamespace
+
+    from moetron.launcher.train import trainer
+
+    calls = []
+    monkeypatch.setattr(trainer, "update_expert_biases", lambda *args: calls.append(args))
+
+    class Nested(torch.optim.AdamW):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # wraps AdamW.step with the hooks
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = Nested([p])
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layers=1, moe=SimpleNamespace(num_experts=2)))
+    trainer.ExpertBiasUpdate(SimpleNamespace(modules=[], mesh=None), cfg, torch.device("cpu")).register(opt)
+    for _ in range(3):
+        p.grad = torch.ones(2)
+        opt.step()
+    assert len(calls) == 3

@@ -12,17 +12,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetron.launcher.checkpoint.store import STALL_ENV, consolidated_model_state, load_checkpoint
+from moetron.launcher.checkpoint.store import consolidated_model_state, load_checkpoint
 from moetron.launcher.config import load_config
 from moetron.launcher.train.trainer import train
 from moetron.model.transformer import build_model
 
-TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
          "model.moe.d_expert=64", "train.seq_len=32", "train.batch_size=4", "train.log_every=1",
          "train.eval_every=5", "train.eval_batches=2", "train.warmup_steps=2", "train.threads=1",
          "train.precision=fp32", "train.steps=20", "train.checkpoint.every=5"]
 KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
+# `moetron ARGS` in a process whose save of step 10 stops for an hour once its shards are written.
+STALLED_CLI = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent / 'checkpoint')!r}); "
+               "from crash_harness import stall_saves; stall_saves('10'); "
+               "from moetron.launcher.cli.main import main; sys.exit(main(sys.argv[1:]))")
 
 
 def small(run_dir, *extra):
@@ -48,8 +52,8 @@ def straight(tmp_path_factory):
 
 def test_kill_9_during_a_checkpoint_write_resumes_from_the_previous_one(tmp_run_dir, straight):
     args = ["train", TINY, *SMALL, f"train.run_dir={tmp_run_dir}", "train.name=killed"]
-    proc = subprocess.Popen([sys.executable, "-m", "moetron", *map(str, args)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, STALL_ENV: "10"})
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_CLI, *map(str, args)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     ckpts = tmp_run_dir / "killed" / "checkpoints"
     written = ckpts / ".tmp-step-00000010" / "manifest.json.rank0"  # shards on disk, not yet renamed
     deadline = time.time() + 180
@@ -137,7 +141,7 @@ def test_export_writes_the_live_model(tmp_path, straight):
 def test_same_run_stopped_before_its_first_checkpoint_starts_again(tmp_run_dir):
     # A job preempted or requeued while starting leaves config.yaml (and maybe metrics) but no
     # checkpoint; its next attempt, with the same config, starts afresh instead of being refused.
-    from moetron.launcher.train.run_dir import RunError, open_run_dir
+    from moetron.launcher.run_dir import RunError, open_run_dir
 
     cfg = small(tmp_run_dir, "train.name=early")
     first = open_run_dir(cfg)
