@@ -9,6 +9,7 @@ so its name must not be one that Python or an installed distribution uses.
 """
 
 import importlib.metadata
+import re
 import subprocess
 import sys
 from importlib.machinery import PathFinder
@@ -72,7 +73,20 @@ def test_transformers_imports_from_the_repository_root():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in BENCH.glob("*.py")))
+def bench_scripts() -> list[str]:
+    """The bench files a user runs: those with a `__main__` entry (the rest, like gloo_ranks.py, are
+    helpers the scripts import)."""
+    return sorted(p.name for p in BENCH.glob("*.py") if '__name__ == "__main__"' in p.read_text())
+
+
+def test_every_bench_helper_is_used_by_a_script():
+    helpers = {p.stem for p in BENCH.glob("*.py")} - {name[:-3] for name in bench_scripts()}
+    sources = "\n".join((BENCH / name).read_text() for name in bench_scripts())
+    unused = sorted(h for h in helpers if not re.search(rf"\b(from|import) {h}\b", sources))
+    assert unused == [], f"{unused}: bench modules without a `__main__` that no bench script imports"
+
+
+@pytest.mark.parametrize("script", bench_scripts())
 def test_bench_script_starts_as_documented(script):
     """`python bench/NAME.py --help` from the repository root: every import at its top resolves."""
     proc = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=ROOT, capture_output=True, text=True,
