@@ -33,14 +33,9 @@ MODES = {"ddp": ["parallel.dp_mode=ddp"], "zero1": ["parallel.dp_mode=zero1"], "
 RANKS = 4
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def measure(config: str, mode: str) -> dict:
     import torch.distributed as dist
+    from gloo_ranks import local_part  # bench/gloo_ranks.py, beside this script
 
     from moetron.launcher.config import load_config
     from moetron.launcher.perf.mfu import config_accounting
@@ -56,15 +51,15 @@ def measure(config: str, mode: str) -> dict:
     held: dict[str, int] = {}
 
     def after_backward():
-        held["grads"] = sum(_local(p.grad).nbytes for p in params if p.grad is not None)
+        held["grads"] = sum(local_part(p.grad).nbytes for p in params if p.grad is not None)
 
     g = torch.Generator().manual_seed(t.seed)
     for _ in range(2):
         batch = torch.randint(0, cfg.model.vocab_size, (t.batch_size, t.seq_len + 1), generator=g)
         train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
                    autocast=contextlib.nullcontext, after_backward=after_backward)
-    held["weights"] = sum(_local(p).nbytes for p in params)
-    held["optimizer"] = sum(_local(v).nbytes for s in optimizer.state.values() for v in s.values()
+    held["weights"] = sum(local_part(p).nbytes for p in params)
+    held["optimizer"] = sum(local_part(v).nbytes for s in optimizer.state.values() for v in s.values()
                             if isinstance(v, torch.Tensor) and v.ndim > 0)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, held)

@@ -28,3 +28,10 @@ def each_on_gloo(measure: Callable[[str], dict], items: Iterable[str]) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 0
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank holds: a DTensor's local shard, a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

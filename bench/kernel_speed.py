@@ -265,7 +265,6 @@ def bench_attention(seq_len: int, timer, device, backend: str, tune: dict | None
     from torch.nn.functional import scaled_dot_product_attention
 
     from moetron.kernels.flash_attention_triton import (
-        AttnConfigs,
         attention_configs,
         flash_attention_bwd_triton,
         flash_attention_fwd_triton,
@@ -312,21 +311,28 @@ def bench_attention(seq_len: int, timer, device, backend: str, tune: dict | None
                   "sdpa_flash_tflops": tflops(2.5 * flops_fwd, t_bwd_sdpa), "ratio_vs_sdpa_flash": t_bwd_sdpa / t_bwd,
                   "config": {"dkdv": _config_dict(shipped.dkdv), "dq": _config_dict(shipped.dq)}},
     ]
-    tuning = []
-    if tune is not None:
-        tuning += _tune("attn_fwd", shape, "fwd", tune["attn_fwd"], lambda c: fwd(c)[0], o_sdpa.detach(), flops_fwd,
-                        timer, shipped.fwd)
-        # Backward: tune dK/dV with the shipped dQ tile, then dQ with the shipped dK/dV tile.
-        ref = torch.cat([g.flatten() for g in grads_sdpa])
-
-        def bwd_flat(c):
-            return torch.cat([g.flatten() for g in bwd(c)])
-
-        tuning += _tune("attn_dkdv", shape, "bwd", [AttnConfigs(shipped.fwd, c, shipped.dq) for c in tune["attn_dkdv"]],
-                        bwd_flat, ref, 2.5 * flops_fwd, timer, shipped)
-        tuning += _tune("attn_dq", shape, "bwd", [AttnConfigs(shipped.fwd, shipped.dkdv, c) for c in tune["attn_dq"]],
-                        bwd_flat, ref, 2.5 * flops_fwd, timer, shipped)
+    tuning = [] if tune is None else _tune_attention(tune, shape, fwd, bwd, o_sdpa.detach(), grads_sdpa, flops_fwd,
+                                                     timer, shipped)
     return rows, tuning
+
+
+def _tune_attention(tune: dict, shape: str, fwd, bwd, o_ref, grads_ref, flops_fwd: float, timer, shipped) -> list:
+    """The attention tile sweep: the forward, then dK/dV with the shipped dQ tile, then dQ with the
+    shipped dK/dV tile, each candidate checked against SDPA's output or gradients."""
+    from moetron.kernels.flash_attention_triton import AttnConfigs
+
+    tuning = _tune("attn_fwd", shape, "fwd", tune["attn_fwd"], lambda c: fwd(c)[0], o_ref, flops_fwd, timer,
+                   shipped.fwd)
+    ref = torch.cat([g.flatten() for g in grads_ref])
+
+    def bwd_flat(c):
+        return torch.cat([g.flatten() for g in bwd(c)])
+
+    tuning += _tune("attn_dkdv", shape, "bwd", [AttnConfigs(shipped.fwd, c, shipped.dq) for c in tune["attn_dkdv"]],
+                    bwd_flat, ref, 2.5 * flops_fwd, timer, shipped)
+    tuning += _tune("attn_dq", shape, "bwd", [AttnConfigs(shipped.fwd, shipped.dkdv, c) for c in tune["attn_dq"]],
+                    bwd_flat, ref, 2.5 * flops_fwd, timer, shipped)
+    return tuning
 
 
 def best_tiles(tuning: list[dict]) -> list[dict]:

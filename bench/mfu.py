@@ -41,6 +41,31 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_steps(step, compiled_model, device, warmup: int, steps: int) -> tuple[float, list[float]]:
+    """(seconds the compiling step took, or 0 for eager; each timed step's seconds). A model given
+    as `compiled_model` has its blocks compiled first; CUDA's peak memory is reset before the
+    timed steps, so the caller's `memory_gib` reads their own peak."""
+    compile_s = 0.0
+    if compiled_model is not None:
+        apply_compile(compiled_model)
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()  # compiles every block's forward and backward
+        synchronize(device)
+        compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    memory_gib(device)
+    times = []
+    for _ in range(steps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return compile_s, times
+
+
 def run(args) -> dict:
     cfg = load_config(args.config, args.overrides)
     if args.threads:
@@ -68,25 +93,7 @@ def run(args) -> dict:
     step()
     with ComponentFlopCounter(model) as counter:
         step()
-    compile_s = 0.0
-    if t.compile:
-        apply_compile(model)
-        synchronize(device)
-        t0 = time.perf_counter()
-        step()  # compiles every block's forward and backward
-        synchronize(device)
-        compile_s = time.perf_counter() - t0
-    for _ in range(args.warmup):
-        step()
-    memory_gib(device)  # resets CUDA's peak: the timed steps' own peak is read after them
-    tokens = t.batch_size * t.seq_len
-    times = []
-    for _ in range(args.steps):
-        synchronize(device)
-        t0 = time.perf_counter()
-        step()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+    compile_s, times = time_steps(step, model if t.compile else None, device, args.warmup, args.steps)
     memory = memory_gib(device)
     peak_after = cpu_peak(dtype) if device.type == "cpu" else None
     load_after = os.getloadavg()[0]
@@ -98,8 +105,8 @@ def run(args) -> dict:
         resolved = device_peak(device, bf16, t.peak_tflops)
         peak, peak_source = resolved.flops, resolved.source
     step_time = statistics.median(times)
-    tokens_per_s = tokens / step_time
-    analytic, counted = flops_per_token(cfg.model, t.seq_len), counter.total / tokens
+    tokens_per_s = t.batch_size * t.seq_len / step_time
+    analytic, counted = flops_per_token(cfg.model, t.seq_len), counter.total / (t.batch_size * t.seq_len)
     return {
         "bench": "mfu", "config": str(args.config), "overrides": args.overrides, "device": str(device),
         "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),

@@ -247,6 +247,40 @@ def parse_args(argv=None):
     return args
 
 
+def models_to_compare(args) -> tuple[dict, dict]:
+    """The models the bench times, by name, and each one's loss function: moetron's MoE and dense
+    twins, their activation-checkpointed and compiled variants when asked, Hugging Face's Mixtral."""
+    torch.manual_seed(0)
+    models = {name: build_model(cfg) for name, cfg in moetron_configs(args).items()}
+    if args.ac:
+        for mode in ("full", "selective"):
+            models[f"moetron-moe-ac-{mode}"] = build_model(moetron_configs(args)["moetron-moe"])
+            models[f"moetron-moe-ac-{mode}"].load_state_dict(models["moetron-moe"].state_dict())
+            apply_activation_checkpointing(models[f"moetron-moe-ac-{mode}"], mode)
+    loss_fns = {name: moetron_loss for name in models}
+    if args.compile:
+        for name, cfg in moetron_configs(args).items():
+            models[f"{name}-compiled"], loss_fns[f"{name}-compiled"] = compiled_twin(models[name], cfg)
+    if not args.no_transformers:
+        models["transformers-mixtral"] = transformers_mixtral(args)
+        loss_fns["transformers-mixtral"] = transformers_loss
+    return models, loss_fns
+
+
+def throughput_ratios(row: dict, compiled: bool) -> dict:
+    """Ratios of tokens/s between the models of one precision (`row`: name → tokens/s)."""
+    ratios = {"moe/dense": row["moetron-moe"] / row["moetron-dense"]}
+    if "transformers-mixtral" in row:
+        ratios["moetron/transformers"] = row["moetron-moe"] / row["transformers-mixtral"]
+    if compiled:
+        ratios["compiled/eager moe"] = row["moetron-moe-compiled"] / row["moetron-moe"]
+        ratios["compiled/eager dense"] = row["moetron-dense-compiled"] / row["moetron-dense"]
+        ratios["moe/dense compiled"] = row["moetron-moe-compiled"] / row["moetron-dense-compiled"]
+        if "transformers-mixtral" in row:
+            ratios["moetron compiled/transformers"] = row["moetron-moe-compiled"] / row["transformers-mixtral"]
+    return ratios
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -262,20 +296,7 @@ def main(argv=None) -> None:
                           "shape": f"d={args.d_model} L={args.layers} expert width {args.d_expert} top-{args.top_k} "
                                    f"batch={args.batch}x{args.seq_len}", **result}))
         return
-    torch.manual_seed(0)
-    models = {name: build_model(cfg) for name, cfg in moetron_configs(args).items()}
-    if args.ac:
-        for mode in ("full", "selective"):
-            models[f"moetron-moe-ac-{mode}"] = build_model(moetron_configs(args)["moetron-moe"])
-            models[f"moetron-moe-ac-{mode}"].load_state_dict(models["moetron-moe"].state_dict())
-            apply_activation_checkpointing(models[f"moetron-moe-ac-{mode}"], mode)
-    loss_fns = {name: moetron_loss for name in models}
-    if args.compile:
-        for name, cfg in moetron_configs(args).items():
-            models[f"{name}-compiled"], loss_fns[f"{name}-compiled"] = compiled_twin(models[name], cfg)
-    if not args.no_transformers:
-        models["transformers-mixtral"] = transformers_mixtral(args)
-        loss_fns["transformers-mixtral"] = transformers_loss
+    models, loss_fns = models_to_compare(args)
     ids_BS = torch.randint(0, args.vocab, (args.batch, args.seq_len))
     tokens = args.batch * args.seq_len
 
@@ -290,19 +311,7 @@ def main(argv=None) -> None:
     breakdown = {key: profile_breakdown(step) for key, step in steps.items()}
     tok_s = {prec: {name: tokens / statistics.median(times[name, prec]) for name in models} for prec in args.precision}
     params = {name: sum(p.numel() for p in model.parameters()) for name, model in models.items()}
-    ratios = {}
-    for prec, row in tok_s.items():
-        ratios[prec] = {"moe/dense": row["moetron-moe"] / row["moetron-dense"]}
-        if "transformers-mixtral" in row:
-            ratios[prec]["moetron/transformers"] = row["moetron-moe"] / row["transformers-mixtral"]
-        if args.compile:
-            ratios[prec]["compiled/eager moe"] = row["moetron-moe-compiled"] / row["moetron-moe"]
-            ratios[prec]["compiled/eager dense"] = row["moetron-dense-compiled"] / row["moetron-dense"]
-            ratios[prec]["moe/dense compiled"] = row["moetron-moe-compiled"] / row["moetron-dense-compiled"]
-            if "transformers-mixtral" in row:
-                ratios[prec]["moetron compiled/transformers"] = (row["moetron-moe-compiled"]
-                                                                 / row["transformers-mixtral"])
-
+    ratios = {prec: throughput_ratios(row, args.compile) for prec, row in tok_s.items()}
     shape = (f"d={args.d_model} L={args.layers} heads={args.heads}/{args.kv_heads} "
              f"experts={args.experts}x{args.d_expert} top-{args.top_k} batch={args.batch}x{args.seq_len}")
     print(f"{shape}, {args.threads} threads, median of {args.steps} steps, "

@@ -87,15 +87,10 @@ def layout_config(name: str, world_size: int = RANKS):
     return load_config(TINY, [*BASE, *LAYOUTS[name]], world_size=world_size)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def measure(name: str, steps: int) -> dict:
     import torch.distributed as dist
     from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
+    from gloo_ranks import local_part  # bench/gloo_ranks.py, beside this script
 
     from moetron.launcher.train.optim import optimizer_for
     from moetron.launcher.train.trainer import build_parallel_model, train_step
@@ -125,8 +120,8 @@ def measure(name: str, steps: int) -> dict:
     counter = CollectiveCounter()
     with counter:
         step()
-    held = sum(_local(p).nbytes for _, p in pm.named_parameters()) + sum(
-        _local(v).nbytes for s in optimizer.state.values() for v in s.values()
+    held = sum(local_part(p).nbytes for _, p in pm.named_parameters()) + sum(
+        local_part(v).nbytes for s in optimizer.state.values() for v in s.values()
         if isinstance(v, torch.Tensor) and v.ndim > 0)
     probe = HeapPeak()
     with probe:

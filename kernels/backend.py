@@ -2,7 +2,9 @@
 run by Triton's CPU interpreter, for tests) or `torch` (plain torch, any device and dtype).
 
 The choice is an explicit argument of every op, resolved here once per call; there is no global
-switch to flip. `None` means: Triton on CUDA when it is importable, torch everywhere else.
+switch to flip. `None` or "auto" means: torch off CUDA or without Triton; on CUDA, for each op and
+pass (grouped GEMM forward, dX, dW; attention forward, backward), the path measured faster on that
+device class (measured_backends.py), and Triton where nothing is recorded.
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 
 import torch
+
+from moetron.kernels.measured_backends import recorded_choice
 
 BACKENDS = ("triton", "interpret", "torch")
 
@@ -21,11 +26,35 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
+def device_class(device: torch.device) -> str:
+    """"cpu" (any device but CUDA: its type), or the model of a CUDA device (`model_of`)."""
+    return model_of(torch.cuda.get_device_name(device)) if device.type == "cuda" else device.type
+
+
+def model_of(name: str) -> str:
+    """A GPU's model from its name: the first word of letters then digits ("NVIDIA H100 80GB HBM3"
+    → "H100", "NVIDIA GH200 480GB" → "GH200", "NVIDIA A100-SXM4-80GB" → "A100"), else the name."""
+    return next((w for w in re.split(r"[\s-]+", name) if re.fullmatch(r"[A-Za-z]*\d+", w)), name)
+
+
+def auto_backend(device_class: str, op: str, pass_: str, dtype: torch.dtype, *, triton: bool = True) -> str:
+    """What "auto" runs for one pass of one op: torch off CUDA (device class "cpu") or without
+    Triton; else the recorded choice (measured_backends.py), Triton where none is recorded.
+    A pure function of its arguments."""
+    if device_class == "cpu" or not triton:
+        return "torch"
+    return recorded_choice(device_class, op, pass_, dtype) or "triton"
+
+
+def resolve_backend(backend: str | None, device: torch.device, op: str | None = None, pass_: str | None = None,
+                    dtype: torch.dtype | None = None) -> str:
     """Turn the user's `backend` (None, "auto" or one of BACKENDS) into one of BACKENDS for
-    tensors on `device`, or raise with the reason it cannot run there."""
+    tensors on `device`, or raise with the reason it cannot run there. "auto" on CUDA follows
+    `auto_backend` for the `op`, `pass_` and `dtype` named; without them, Triton."""
     if backend in (None, "auto"):
-        return "triton" if device.type == "cuda" and triton_available() else "torch"
+        if device.type != "cuda" or not triton_available():
+            return "torch"
+        return auto_backend(device_class(device), op, pass_, dtype) if op is not None else "triton"
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}: must be one of {BACKENDS} or None")
     if backend == "triton":

@@ -12,7 +12,9 @@ Problem = tuple[str, object, str]
 
 @dataclass(frozen=True, kw_only=True)
 class KernelConfig:
-    """"auto": Triton on CUDA, plain torch elsewhere; "interpret": Triton's CPU interpreter (tests)."""
+    """"auto": on CUDA, per op and pass, the path measured faster on the device's class
+    (kernels/measured_backends.py; Triton where unmeasured), plain torch elsewhere; "triton" and
+    "torch" force one path everywhere; "interpret": Triton's CPU interpreter (tests)."""
 
     backend: Literal["auto", "triton", "torch", "interpret"] = "auto"
 

@@ -12,6 +12,8 @@ Layers: Triton kernels (flash_attention_triton) → the ops `moetron::flash_atte
 the output and the logsumexp) and `moetron::flash_attention_bwd` (custom ops with fake
 implementations, so torch.compile traces them) → the function `flash_attention`. The torch path
 is `flash_attention_reference`, plain eager torch, and `flash_attention_reference_backward`.
+Under "auto" each op (forward, backward) runs the path recorded for its pass and device class
+(kernels/measured_backends.py).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import torch
 
 from moetron.kernels.backend import resolve_backend
+from moetron.kernels.measured_backends import PASSES
 
 
 def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct):
@@ -84,11 +87,17 @@ def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, 
     return dq_BHSD.to(q_BHSD.dtype), dk_BGSD.to(k_BGSD.dtype), dv_BGSD.to(v_BGSD.dtype)
 
 
+def _pass_backend(backend: str, pass_: str, q_BHSD: torch.Tensor) -> str:
+    """`backend` as given, or for "auto" the path recorded for this pass on q's device."""
+    return resolve_backend(backend, q_BHSD.device, "attention", pass_, q_BHSD.dtype) if backend == "auto" else backend
+
+
 @torch.library.custom_op("moetron::flash_attention_fwd", mutates_args=())
 def _fwd_op(
     q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, causal: bool,
     alibi_slopes_H: torch.Tensor | None, softmax_scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    backend = _pass_backend(backend, "fwd", q_BHSD)
     if backend == "torch":
         return flash_attention_reference(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, True)
     from moetron.kernels.flash_attention_triton import flash_attention_fwd_triton
@@ -108,6 +117,7 @@ def _bwd_op(
     o_BHSD: torch.Tensor, lse_BHS: torch.Tensor, causal: bool, alibi_slopes_H: torch.Tensor | None,
     softmax_scale: float, backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    backend = _pass_backend(backend, "bwd", q_BHSD)
     if backend == "torch":
         return flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
                                                   softmax_scale)
@@ -153,9 +163,11 @@ def flash_attention(
 ) -> torch.Tensor:
     """o_BHSD = softmax(scale * q k^T + alibi, causal mask) v, differentiable in q, k and v.
 
-    `softmax_scale` defaults to 1/sqrt(D). `backend`: None picks Triton on CUDA and torch
-    elsewhere; "interpret" runs the Triton kernels on CPU (tests). The Triton path takes fp32,
-    fp16 and bf16 with head dims 32, 64 or 128; the torch path any float dtype and head dim.
+    `softmax_scale` defaults to 1/sqrt(D). `backend`: None or "auto" picks, for the forward and
+    the backward each, the path recorded for this CUDA device (Triton where unmeasured; see
+    kernels/measured_backends.py) and torch elsewhere; "interpret" runs the Triton kernels on CPU
+    (tests). The Triton path takes fp32, fp16 and bf16 with head dims 32, 64 or 128; the torch
+    path any float dtype and head dim.
     """
     if q_BHSD.dim() != 4 or k_BGSD.dim() != 4 or v_BGSD.shape != k_BGSD.shape:
         raise ValueError(
@@ -172,12 +184,14 @@ def flash_attention(
         raise ValueError(f"flash_attention: dtypes differ: {q_BHSD.dtype}, {k_BGSD.dtype}, {v_BGSD.dtype}")
     if alibi_slopes_H is not None and tuple(alibi_slopes_H.shape) != (H,):
         raise ValueError(f"flash_attention: alibi_slopes_H must have shape ({H},), got {tuple(alibi_slopes_H.shape)}")
-    backend = resolve_backend(backend, q_BHSD.device)
-    if backend != "torch":
+    request = "auto" if backend is None else backend
+    kernels = sorted({resolve_backend(request, q_BHSD.device, "attention", p, q_BHSD.dtype)
+                      for p in PASSES["attention"]} - {"torch"})
+    if kernels:
         if q_BHSD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"flash_attention: backend={backend!r} takes fp32, fp16 or bf16, got {q_BHSD.dtype}")
+            raise ValueError(f"flash_attention: backend={kernels[0]!r} takes fp32, fp16 or bf16, got {q_BHSD.dtype}")
         if k_BGSD.shape[2] == 0:
             raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, backend)
+    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, request)
     return o_BHSD

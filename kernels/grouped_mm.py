@@ -7,7 +7,8 @@ Rows past `offsets_E[-1]` belong to no group and come out as zeros (their gradie
 Layers: Triton kernels (grouped_mm_triton) → the ops `moetron::grouped_mm` and
 `moetron::grouped_mm_wgrad` (custom ops with fake implementations, so torch.compile traces them,
 and autograd formulas written with the same two ops, so they are differentiable twice) → the
-function `grouped_mm` that the model calls.
+function `grouped_mm` that the model calls. Each product names its pass — fwd (x @ w), dx
+(dy @ w^T), dw (x^T @ dy) — so that "auto" can run each on the path measured faster for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from moetron.kernels.backend import resolve_backend
+from moetron.kernels.measured_backends import PASSES
 
 
 def grouped_mm_reference(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -188,8 +190,23 @@ def _grouped_mm_wgrad_torch(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: 
     return torch._grouped_mm(xt_KT, dy_TN[:end], offs=offsets_E.to(torch.int32))
 
 
+def _pass_backend(backend: str, pass_: str, a: torch.Tensor, b: torch.Tensor) -> str:
+    """The backend the product a @ b of one pass runs with: `backend` as given, or for "auto" the
+    path measured faster for this pass on this device class (kernels/measured_backends.py). The
+    torch rows measured torch._grouped_mm; operands it does not take (unaligned, expanded) would go
+    to the per-group loop instead, so they stay on Triton."""
+    if backend != "auto":
+        return backend
+    chosen = resolve_backend(backend, a.device, "grouped_mm", pass_, a.dtype)
+    if chosen == "torch" and a.is_cuda and not _fits_torch_grouped_mm(a, b):
+        return "triton"
+    return chosen
+
+
 @torch.library.custom_op("moetron::grouped_mm", mutates_args=())
-def _grouped_mm_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+def _grouped_mm_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor, backend: str,
+                   pass_: str) -> torch.Tensor:
+    backend = _pass_backend(backend, pass_, x_TK, w_EKN)
     if backend == "torch":
         return _grouped_mm_torch(x_TK, w_EKN, offsets_E)
     from moetron.kernels.grouped_mm_triton import grouped_mm_triton
@@ -198,12 +215,13 @@ def _grouped_mm_op(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Ten
 
 
 @_grouped_mm_op.register_fake
-def _(x_TK, w_EKN, offsets_E, backend):
+def _(x_TK, w_EKN, offsets_E, backend, pass_):
     return x_TK.new_empty(x_TK.shape[0], w_EKN.shape[2])
 
 
 @torch.library.custom_op("moetron::grouped_mm_wgrad", mutates_args=())
 def _grouped_mm_wgrad_op(x_TK: torch.Tensor, dy_TN: torch.Tensor, offsets_E: torch.Tensor, backend: str) -> torch.Tensor:
+    backend = _pass_backend(backend, "dw", x_TK.T, dy_TN)
     if backend == "torch":
         return _grouped_mm_wgrad_torch(x_TK, dy_TN, offsets_E)
     from moetron.kernels.grouped_mm_triton import grouped_mm_wgrad_triton
@@ -217,7 +235,7 @@ def _(x_TK, dy_TN, offsets_E, backend):
 
 
 def _setup_context(ctx, inputs, output):
-    a, b, offsets_E, backend = inputs
+    a, b, offsets_E, backend = inputs[:4]
     ctx.save_for_backward(a, b, offsets_E)
     ctx.backend = backend
 
@@ -227,10 +245,10 @@ def _grouped_mm_backward(ctx, dy_TN):
     x_TK, w_EKN, offsets_E = ctx.saved_tensors
     dx_TK = dw_EKN = None
     if ctx.needs_input_grad[0]:
-        dx_TK = _grouped_mm_op(dy_TN, w_EKN.transpose(1, 2), offsets_E, ctx.backend)
+        dx_TK = _grouped_mm_op(dy_TN, w_EKN.transpose(1, 2), offsets_E, ctx.backend, "dx")
     if ctx.needs_input_grad[1]:
         dw_EKN = _grouped_mm_wgrad_op(x_TK, dy_TN, offsets_E, ctx.backend)
-    return dx_TK, dw_EKN, None, None
+    return dx_TK, dw_EKN, None, None, None
 
 
 def _grouped_mm_wgrad_backward(ctx, g_EKN):
@@ -238,9 +256,9 @@ def _grouped_mm_wgrad_backward(ctx, g_EKN):
     x_TK, dy_TN, offsets_E = ctx.saved_tensors
     dx_TK = ddy_TN = None
     if ctx.needs_input_grad[0]:
-        dx_TK = _grouped_mm_op(dy_TN, g_EKN.transpose(1, 2), offsets_E, ctx.backend)
+        dx_TK = _grouped_mm_op(dy_TN, g_EKN.transpose(1, 2), offsets_E, ctx.backend, "dx")
     if ctx.needs_input_grad[1]:
-        ddy_TN = _grouped_mm_op(x_TK, g_EKN, offsets_E, ctx.backend)
+        ddy_TN = _grouped_mm_op(x_TK, g_EKN, offsets_E, ctx.backend, "fwd")
     return dx_TK, ddy_TN, None, None
 
 
@@ -253,8 +271,10 @@ def grouped_mm(
 ) -> torch.Tensor:
     """y_TN = x_TK @ w_EKN[group of row]; differentiable in x and w (twice).
 
-    Rows past the last offset belong to no group and come out as zeros. `backend`: None picks
-    Triton on CUDA and torch elsewhere; "interpret" runs the Triton kernels on CPU (tests).
+    Rows past the last offset belong to no group and come out as zeros. `backend`: None or
+    "auto" picks, for the forward, dX and dW each, the path measured faster on this CUDA device
+    (Triton where unmeasured; see kernels/measured_backends.py) and torch elsewhere; "interpret"
+    runs the Triton kernels on CPU (tests).
     The Triton path takes fp32, fp16 and bf16 (fp32 accumulation); the torch path any float dtype.
     """
     if x_TK.dim() != 2 or w_EKN.dim() != 3 or offsets_E.dim() != 1:
@@ -269,7 +289,9 @@ def grouped_mm(
         )
     if x_TK.dtype != w_EKN.dtype:
         raise ValueError(f"grouped_mm: x_TK is {x_TK.dtype} but w_EKN is {w_EKN.dtype}")
-    backend = resolve_backend(backend, x_TK.device)
-    if backend != "torch" and x_TK.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"grouped_mm: backend={backend!r} takes fp32, fp16 or bf16, got {x_TK.dtype}")
-    return _grouped_mm_op(x_TK, w_EKN, offsets_E.to(torch.int32), backend)
+    request = "auto" if backend is None else backend
+    kernels = sorted({resolve_backend(request, x_TK.device, "grouped_mm", p, x_TK.dtype)
+                      for p in PASSES["grouped_mm"]} - {"torch"})
+    if kernels and x_TK.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"grouped_mm: backend={kernels[0]!r} takes fp32, fp16 or bf16, got {x_TK.dtype}")
+    return _grouped_mm_op(x_TK, w_EKN, offsets_E.to(torch.int32), request, "fwd")

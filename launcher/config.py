@@ -187,18 +187,53 @@ def load_config(path: str | Path, overrides: list[str] = (), *, world_size: int 
     if neither the preset nor an override gives it, as Megatron-LM and torchtitan do:
     dp = world_size / (pp × cp × tp). A `dp` that is given is kept, and checked against the launch later.
     """
-    path = Path(path)
+    path = resolve_config_path(path)
     data = read_yaml_with_base(path)
     for item in overrides:
         apply_override(data, item)
     data.setdefault("train", {})
     if isinstance(data["train"], dict) and data["train"].get("name") is None:
         data["train"]["name"] = path.stem
+    launch_problem = None
     if world_size is not None:
-        _infer_dp(data, world_size)
+        try:
+            _infer_dp(data, world_size)
+        except ConfigError as e:
+            # A layout that cannot fit the launch is reported after what is wrong with the config
+            # itself: `parallel.tp=3` on 8 heads is about the heads, whatever the rank count.
+            launch_problem = e
     cfg = from_dict(Config, data)
     validate(cfg)
+    if launch_problem is not None:
+        raise launch_problem
     return cfg
+
+
+def packaged_configs() -> Path:
+    """The folder of presets shipped inside the package (moetron/configs/)."""
+    return Path(__file__).resolve().parents[1] / "configs"
+
+
+def preset_names() -> list[str]:
+    """The shipped presets by bare name: tiny, mixtral-8x7b, …"""
+    return sorted(p.stem for p in packaged_configs().glob("*.yaml"))
+
+
+def resolve_config_path(name: str | Path) -> Path:
+    """The YAML file a CONFIG argument names: a path relative to the current folder first; else the
+    package's own presets, by path (`configs/tiny.yaml`, `tiny.yaml`) or by bare name (`tiny`), so a
+    preset loads from any folder."""
+    path = Path(name)
+    if path.is_file() or path.is_absolute():
+        return path
+    shipped = packaged_configs()
+    candidates = [shipped.parent / path, shipped / path]
+    if not path.suffix:
+        candidates.append(shipped / f"{path}.yaml")
+    for candidate in candidates:
+        if candidate.is_file() and candidate.parent == shipped:
+            return candidate
+    return path
 
 
 def _infer_dp(data: dict[str, Any], world_size: int) -> None:
@@ -218,19 +253,30 @@ def read_yaml_with_base(path: Path, seen: tuple[Path, ...] = ()) -> dict[str, An
     """Read a preset; a top-level `base: other.yaml` (relative to this file) is read first and this
     file's keys are merged over it, section by section."""
     if not path.is_file():
-        raise ConfigError(f"{path}: no such config file (try configs/tiny.yaml)")
+        if seen:
+            raise ConfigError(f"{path}: no such config file (the `base:` of {seen[-1]})")
+        raise ConfigError(f"{path}: no such config file or preset; a CONFIG is a YAML path or one of the "
+                          f"presets moetron ships: {', '.join(preset_names())} (e.g. `moetron train tiny`)")
     if path.resolve() in seen:
         raise ConfigError(f"{path}: `base:` chain loops back to itself")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(_yaml_problem(path, e)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: must hold a mapping of sections (model:, train:, …)")
     base = data.pop("base", None)
     if base is None:
         return data
     return _merge(read_yaml_with_base(path.parent / str(base), seen + (path.resolve(),)), data)
+
+
+def _yaml_problem(path: Path, e: yaml.YAMLError) -> str:
+    """`file:line:column: not valid YAML: the problem` (1-based, as editors count), on one line."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = ": ".join(filter(None, (getattr(e, "context", None), getattr(e, "problem", None)))) or str(e)
+    return f"{where}: not valid YAML: {' '.join(problem.split())}"
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -164,7 +164,8 @@ class Decoder(nn.Module):
 
     def set_kernel_backend(self, backend: str | None) -> None:
         """Run the fused ops (grouped GEMM, flash attention) with `backend`: "triton", "torch",
-        "interpret" (Triton's CPU interpreter), or None/"auto" for Triton on CUDA and torch elsewhere."""
+        "interpret" (Triton's CPU interpreter), or None/"auto": per op and pass, the path measured
+        faster on this GPU model (kernels/measured_backends.py), torch on the CPU."""
         backend = None if backend == "auto" else backend
         for module in self.modules():
             if hasattr(module, "kernel_backend"):

@@ -8,7 +8,8 @@ The model is a meta-device shell until the last step, so it never exists whole o
 initial weights equal the single-process ones for the same seed (see materialize.py).
 
 `ParallelModel` then runs a training step the same way on every layout: the sampler's global
-batch → this dp rank's slice → this cp rank's two chunks of each sequence → micro-batches (accumulation, and pipeline micro-batches within
+batch → this dp rank's slice → this cp rank's two chunks of each sequence (the sampler reads only
+those: `batch_rows`, `window_spans`) → micro-batches (accumulation, and pipeline micro-batches within
 each) → forward/backward with the MoE aux losses in the gradient → global gradient norm.
 """
 
@@ -115,9 +116,34 @@ class ParallelModel:
         """This dp rank's contiguous slice of the global batch (dp must divide it)."""
         return batch_BS.chunk(self.cfg.dp)[self.mesh.rank("dp")]
 
+    def batch_rows(self, n: int) -> slice:
+        """The rows of a global batch of n sequences that `local_batch` keeps here, so that the
+        sampler reads only them (torch.chunk's cut: pieces of ⌈n / dp⌉, the last one shorter)."""
+        dp, size = self.cfg.dp, -(-n // self.cfg.dp)
+        start = self.mesh.rank("dp") * size
+        if start >= n:
+            raise ValueError(f"a batch of {n} sequences leaves dp rank {self.mesh.rank('dp')} of {dp} none")
+        return slice(start, min(start + size, n))
+
+    def window_spans(self, seq_len: int) -> list[tuple[int, int]] | None:
+        """The tokens of a (seq_len + 1)-token window this rank needs, as (start, stop) offsets:
+        None (all of them) without context parallelism, else its two chunks of `split_sequence`,
+        each with one more token for the last target. A window read as these pieces, (B, 2, C + 1),
+        goes to `local_window` in place of the whole one."""
+        if self.cfg.cp == 1:
+            return None
+        cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
+        if seq_len % (2 * cp):
+            raise ValueError(f"sequence length {seq_len} must be divisible by 2 × parallel.cp ({2 * cp})")
+        C = seq_len // (2 * cp)
+        return [(c * C, (c + 1) * C + 1) for c in (cp_rank, 2 * cp - 1 - cp_rank)]
+
     def local_window(self, micro_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets of a (B, S + 1) window, at this rank's positions: all S,
-        or under context parallelism its two load-balanced chunks (context_parallel.py)."""
+        """Inputs and next-token targets at this rank's positions: of (B, S + 1) whole windows all
+        S, or under context parallelism its two load-balanced chunks (context_parallel.py); of
+        (B, P, L) pieces already cut by `window_spans`, the L − 1 inputs and targets of each."""
+        if micro_BS1.dim() == 3:
+            return micro_BS1[..., :-1].flatten(1), micro_BS1[..., 1:].flatten(1)
         inputs_BS, targets_BS = micro_BS1[:, :-1], micro_BS1[:, 1:]
         if self.cfg.cp == 1:
             return inputs_BS, targets_BS

@@ -5,7 +5,10 @@ A checkpoint folder is only as good as its bytes. Three things go wrong in pract
   - a shard is shorter than written (node died, quota hit, copy interrupted) or its bytes changed
     (bad disk, a partial rsync over it): `manifest.json` holds every file's size and sha256,
     written when the checkpoint was saved; sizes are checked before a resume is chosen (cheap:
-    one stat per file) and each shard's hash before a rank reads it;
+    one stat per file) and each shard's hash before a rank reads it. Without a manifest, each
+    shard must still hold the bytes `.metadata` says were written into it, and state.json must
+    parse. Such damage raises `CheckpointDamaged`, which an automatic resume answers by setting
+    the checkpoint aside for an older one;
   - it belongs to another model: `tensor_mismatches` names the tensors whose shapes differ and
     those missing on either side;
   - DCP's `.metadata` is a pickle, and DCP unpickles non-tensor entries with `torch.load(...,
@@ -33,6 +36,7 @@ MANIFEST = "manifest.json"
 # The checkpoint folder's format; a reader refuses a newer one rather than misread it.
 MANIFEST_VERSION = 1
 METADATA = ".metadata"
+STATE = "state.json"
 
 # (module, name) pairs a DCP .metadata pickle may name; anything else is refused.
 _ALLOWED_GLOBALS = {
@@ -55,6 +59,16 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or used as asked; one line naming the file and the fix."""
 
 
+class CheckpointDamaged(CheckpointError):
+    """A checkpoint whose files are not as they were written (missing, truncated, corrupt,
+    unreadable): an automatic resume may set it aside for an older one (launcher/run_dir.py).
+    `problem` is what is wrong, without the advice the message adds."""
+
+    def __init__(self, message: str, problem: str | None = None):
+        super().__init__(message)
+        self.problem = problem or message
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _ALLOWED_GLOBALS:
@@ -73,10 +87,10 @@ def load_metadata(folder: Path) -> Metadata:
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing; {folder} is not a DCP checkpoint") from None
     except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a valid checkpoint metadata file ({e}); "
-                              f"it may only hold DCP metadata, tensors' sizes and dtypes") from None
+        raise CheckpointDamaged(f"{path}: not a valid checkpoint metadata file ({e}); "
+                                f"it may only hold DCP metadata, tensors' sizes and dtypes") from None
     if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
+        raise CheckpointDamaged(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
     return metadata
 
 
@@ -109,7 +123,7 @@ class SafeFileSystemReader(FileSystemReader):
             return
         problem = check_file(self.folder, name, self.manifest.get(name), hash_it=True)
         if problem:
-            raise CheckpointError(problem)
+            raise CheckpointDamaged(problem)
         self._verified.add(name)
 
 
@@ -163,7 +177,7 @@ def read_manifest(folder: Path) -> dict[str, dict[str, Any]] | None:
         data = json.loads(path.read_text())
         files, version = data["files"], data.get("version", 1)
     except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: unreadable ({e}); the checkpoint cannot be verified") from None
+        raise CheckpointDamaged(f"{path}: unreadable ({e}); the checkpoint cannot be verified") from None
     if not isinstance(version, int) or version > MANIFEST_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {version!r} was written by a newer moetron; this one reads "
                               f"format {MANIFEST_VERSION} and older (upgrade moetron to resume from it)")
@@ -186,16 +200,58 @@ def check_file(folder: Path, name: str, expected: Mapping[str, Any] | None, *, h
 
 
 def verify_checkpoint(folder: Path, *, hash_files: bool = False) -> str | None:
-    """The first problem of a checkpoint folder against its manifest (sizes; hashes too if asked),
-    or None. A checkpoint without a manifest is not checked."""
+    """The first problem of a checkpoint folder, as one line, or None: every file against its
+    manifest (sizes; hashes too if asked); without a manifest (a checkpoint written by
+    `dcp.save` alone), each shard against the extent its `.metadata` records. Then state.json,
+    which must parse. Raises CheckpointDamaged for an unreadable manifest or metadata, and
+    CheckpointError for a newer format."""
     manifest = read_manifest(folder)
-    if manifest is None:
-        return None
-    for name, expected in manifest.items():
-        problem = check_file(folder, name, expected, hash_it=hash_files)
+    if manifest is not None:
+        for name, expected in manifest.items():
+            problem = check_file(folder, name, expected, hash_it=hash_files)
+            if problem:
+                return problem
+    elif (Path(folder) / METADATA).is_file():
+        problem = _extent_problem(Path(folder), load_metadata(folder))
         if problem:
             return problem
+    try:
+        read_state(folder)
+    except CheckpointDamaged as e:
+        return str(e)
     return None
+
+
+def _extent_problem(folder: Path, metadata: Metadata) -> str | None:
+    """A shard missing or shorter than the bytes `.metadata` says were written into it."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            needed[name] = max(needed.get(name, 0), int(info.offset) + int(info.length))
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            return f"{path}: missing (its {METADATA} records {size} bytes written there)"
+        if path.stat().st_size < size:
+            return (f"{path}: truncated: {path.stat().st_size} bytes, its {METADATA} records {size} "
+                    f"bytes written there")
+    return None
+
+
+def read_state(folder: Path) -> dict[str, Any]:
+    """A checkpoint's state.json (step, tokens, sampler, resolved config, …); {} when it has none.
+    Raises CheckpointDamaged, naming the file, when it does not parse (cut short or overwritten)."""
+    path = Path(folder) / STATE
+    if not path.is_file():
+        return {}
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointDamaged(f"{path}: unreadable, cut short or overwritten ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointDamaged(f"{path}: holds a {type(state).__name__}, not the checkpoint's state")
+    return state
 
 
 def tensor_shapes(metadata: Metadata, prefix: str) -> dict[str, tuple[int, ...]]:

@@ -11,6 +11,8 @@ Layout of <run>/checkpoints/:
       manifest.json             size and sha256 of every file above (see checkpoint_io.py)
       COMPLETE                  written last, just before the rename
   .tmp-step-00000100/       a checkpoint being written; never read, removed by the next save
+  damaged-step-00000100/    a checkpoint found damaged by an automatic resume, set aside (`set_aside`):
+                            kept for inspection, never resumed from nor pruned
   latest                    name of the newest complete checkpoint, replaced atomically
 Only tensors and plain data are written, and only those are unpickled on load.
 
@@ -41,10 +43,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 from moetron.launcher.checkpoint.io import (
     MANIFEST,
+    CheckpointDamaged,
     CheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
     manifest_part,
+    read_state,
     tensor_mismatches,
     tensor_shapes,
     verify_checkpoint,
@@ -62,6 +66,7 @@ from moetron.launcher.checkpoint.state import (
 from moetron.parallel.expert_shards import ExpertShards
 
 COMPLETE = "COMPLETE"
+DAMAGED = "damaged-"
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -90,6 +95,23 @@ def previous_checkpoint(ckpt: Path) -> Path | None:
     """The newest complete checkpoint older than `ckpt` in the same folder."""
     older = [p for p in complete_checkpoints(Path(ckpt).parent) if p.name < Path(ckpt).name]
     return older[-1] if older else None
+
+
+def set_aside(ckpt: Path) -> Path:
+    """Rename a damaged checkpoint to damaged-step-N (damaged-step-N.2, … when that is taken) in its
+    folder, where nothing resumes from it or prunes it, and point `latest` at the newest complete
+    checkpoint left (or remove it when none is). Returns the new name. Nothing is deleted."""
+    ckpt = Path(ckpt)
+    target, n = ckpt.with_name(DAMAGED + ckpt.name), 2
+    while target.exists():
+        target, n = ckpt.with_name(f"{DAMAGED}{ckpt.name}.{n}"), n + 1
+    ckpt.rename(target)
+    newest = latest_checkpoint(ckpt.parent)
+    if newest is not None:
+        _point_latest(ckpt.parent, newest)
+    else:
+        (ckpt.parent / "latest").unlink(missing_ok=True)
+    return target
 
 
 def _distributed() -> bool:
@@ -264,11 +286,7 @@ class Checkpointer:
         tmp.rename(final)
 
     def _point_latest(self, final: Path) -> None:
-        pointer = self.root / ".latest.tmp"
-        pointer.write_text(final.name + "\n")
-        _fsync(pointer)
-        pointer.replace(self.root / "latest")
-        _fsync_dir(self.root)
+        _point_latest(self.root, final)
 
     def _prune(self, final: Path) -> None:
         older = [p for p in complete_checkpoints(self.root) if p != final]
@@ -292,6 +310,15 @@ class Checkpointer:
             dist.barrier(group=self._control)
 
 
+def _point_latest(root: Path, final: Path) -> None:
+    """Replace root/latest with `final`'s name, atomically."""
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name + "\n")
+    _fsync(pointer)
+    pointer.replace(root / "latest")
+    _fsync_dir(root)
+
+
 def _save_error(pending: _Pending, error: BaseException | None, previous: Path | None) -> CheckpointError:
     reason = _root_cause(error) if error is not None else "another rank failed to write its part (see its log)"
     kept = f"the previous checkpoint {previous} and `latest` are intact" if previous else "no earlier checkpoint exists"
@@ -313,7 +340,13 @@ def _root_cause(error: BaseException) -> str:
             return f"{e.strerror or e}{where}"
         stack += [e.__cause__, e.__context__]
         stack += _failures(e)
-    return str(error).splitlines()[0] if str(error) else type(error).__name__
+    # No OSError: the innermost exception that is not DCP's wrapper (the EOFError of a cut file),
+    # by its type too, since some carry no message at all.
+    inner = next((e for e in reversed(seen) if not isinstance(e, CheckpointException)), error)
+    text = str(inner).splitlines()[0] if str(inner) else ""
+    if inner is error:
+        return text or type(error).__name__
+    return f"{type(inner).__name__}: {text}" if text else type(inner).__name__
 
 
 def _failures(e: BaseException) -> list[BaseException]:
@@ -355,8 +388,7 @@ def load_checkpoint(path: Path, model: nn.Module | Sequence[nn.Module],
     rng_file = path / f"rng-rank{_rank()}.json"
     if optimizer is not None and rng_file.is_file():
         set_rng_state(json.loads(rng_file.read_text()))
-    state_file = path / "state.json"
-    return json.loads(state_file.read_text()) if state_file.is_file() else {}
+    return read_state(path)
 
 
 def consolidated_model_state(path: Path, part: str = "model") -> dict[str, torch.Tensor]:
@@ -387,10 +419,12 @@ def _open_verified(path: Path) -> SafeFileSystemReader:
         raise CheckpointError(f"{path}: not a checkpoint folder (no .metadata){_offer(path)}")
     try:
         problem = verify_checkpoint(path)
-    except CheckpointError as e:  # an unreadable or newer manifest
+    except CheckpointDamaged as e:  # an unreadable manifest or metadata
+        raise CheckpointDamaged(f"{e}{_offer(path)}", e.problem) from None
+    except CheckpointError as e:  # a newer format
         raise CheckpointError(f"{e}{_offer(path)}") from None
     if problem:
-        raise CheckpointError(f"{problem}{_offer(path)}")
+        raise CheckpointDamaged(f"{problem}{_offer(path)}", problem)
     return SafeFileSystemReader(path)
 
 
@@ -413,11 +447,16 @@ def _check_fits(path: Path, saved: dict[str, tuple[int, ...]], expected: dict[st
 
 
 def _load_error(path: Path, e: CheckpointException) -> CheckpointError:
-    """The first CheckpointError any rank raised inside DCP (a corrupt shard, a refused pickle)."""
+    """The first CheckpointError any rank raised inside DCP (a corrupt shard, a refused pickle);
+    any other failure to read the shards (a cut or overwritten file DCP could not parse) is
+    damage too, named by its folder."""
     for inner in _failures(e):
+        if isinstance(inner, CheckpointDamaged):
+            return CheckpointDamaged(f"{inner}{_offer(path)}", inner.problem)
         if isinstance(inner, CheckpointError):
             return CheckpointError(f"{inner}{'' if 'refused' in str(inner) else _offer(path)}")
-    return CheckpointError(f"loading {path} failed: {_root_cause(e)}{_offer(path)}")
+    problem = f"reading its shards failed ({_root_cause(e)}): a file is cut short or overwritten"
+    return CheckpointDamaged(f"checkpoint {path} is damaged: {problem}{_offer(path)}", problem)
 
 
 def _fsync(path: Path) -> None:

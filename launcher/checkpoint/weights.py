@@ -20,8 +20,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from moetron.launcher.checkpoint.io import CheckpointError
-from moetron.launcher.checkpoint.store import COMPLETE, latest_checkpoint, load_checkpoint
+from moetron.launcher.checkpoint.io import CheckpointDamaged, CheckpointError, read_state, verify_checkpoint
+from moetron.launcher.checkpoint.store import COMPLETE, latest_checkpoint, load_checkpoint, previous_checkpoint
 from moetron.launcher.config import Config, ConfigError, TrainConfig, apply_override, config_from_dict
 from moetron.launcher.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from moetron.model.config import ModelConfig
@@ -31,19 +31,34 @@ TOKENIZER_FILE = "tokenizer.json"
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A complete checkpoint folder as given, or the newest complete one of a run folder."""
+    """A complete checkpoint folder as given, or the newest complete one of a run folder, once its
+    files are as its manifest recorded (sizes; hashes are checked as the shards are read) and its
+    state.json parses: the check a resume makes, before anything of it is used."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such run or checkpoint folder")
     if (path / COMPLETE).is_file():
-        return path
+        return _intact(path)
     for root in (path / "checkpoints", path):
         if root.is_dir():
             found = latest_checkpoint(root)
             if found is not None:
-                return found
+                return _intact(found)
     raise CheckpointError(f"{path}: neither a complete checkpoint nor a run folder holding one "
                    f"(expected {path}/checkpoints/step-*/{COMPLETE})")
+
+
+def _intact(ckpt: Path) -> Path:
+    """`ckpt`, or CheckpointDamaged in one line: what is damaged, and the previous checkpoint."""
+    try:
+        problem = verify_checkpoint(ckpt)  # a newer format raises a plain CheckpointError: not damage
+    except CheckpointDamaged as e:  # an unreadable manifest or metadata
+        problem = str(e)
+    if problem:
+        previous = previous_checkpoint(ckpt)
+        offer = f"; the previous complete checkpoint is {previous}" if previous else "; no earlier complete checkpoint exists"
+        raise CheckpointDamaged(f"checkpoint {ckpt} is damaged: {problem}{offer} (nothing was deleted)")
+    return ckpt
 
 
 def checkpoint_config(ckpt: Path) -> Config:
@@ -51,7 +66,7 @@ def checkpoint_config(ckpt: Path) -> Config:
     state_file = ckpt / "state.json"
     if not state_file.is_file():
         raise CheckpointError(f"{ckpt}: no state.json")
-    saved = json.loads(state_file.read_text()).get("config")
+    saved = read_state(ckpt).get("config")
     if not isinstance(saved, dict):
         raise CheckpointError(f"{state_file}: holds no resolved config")
     return config_from_dict(saved)
@@ -89,7 +104,7 @@ def load_model(ckpt: Path, *, device: torch.device | str = "cpu", dropless: bool
     if dropless and model_cfg.moe.capacity_factor is not None:
         model_cfg = model_cfg.replace(moe=dataclasses.replace(model_cfg.moe, capacity_factor=None))
     # Converted checkpoints record their dtype; the trainer's keep fp32 master weights.
-    dtype = getattr(torch, json.loads((ckpt / "state.json").read_text()).get("dtype", "float32"))
+    dtype = getattr(torch, read_state(ckpt).get("dtype", "float32"))
     model = build_model(model_cfg, device=device, dtype=dtype)
     load_checkpoint(ckpt, model, None)
     return cfg, model.eval()
@@ -139,7 +154,7 @@ def checkpoint_tokenizer(ckpt: Path, cfg: Config) -> Tokenizer:
     converted checkpoint had no run, so without a tokenizer.json it has no tokenizer."""
     if (ckpt / TOKENIZER_FILE).is_file():
         return HFTokenizer(ckpt / TOKENIZER_FILE)
-    source = json.loads((ckpt / "state.json").read_text()).get("source")
+    source = read_state(ckpt).get("source")
     if source is not None:
         raise FileNotFoundError(f"tokenizer: {ckpt} was converted from {source} without a {TOKENIZER_FILE}; "
                                 f"pass --prompt-ids instead of --prompt")

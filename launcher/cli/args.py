@@ -1,6 +1,11 @@
-"""Arguments shared by the commands that run a trained model (eval, generate)."""
+"""What several subcommands share: the arguments of the commands that run a trained model (eval,
+generate), and the mode of the files the commands that write weights (export, convert) leave."""
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
 
 
 def add_checkpoint_arguments(p) -> None:
@@ -20,3 +25,13 @@ def device_of(args):
     from moetron.launcher.train.device import pick_device
 
     return pick_device(args.device, "--device cuda: no CUDA device is visible")
+
+
+def respect_umask(paths: Iterable[Path]) -> None:
+    """Give `paths` the mode a file created with `open()` gets, 0666 less the umask. safetensors
+    creates its files private (0600) whatever the umask, which locks exported weights away from
+    the group a shared cluster folder is meant for."""
+    umask = os.umask(0)  # the only portable way to read it: set, then put it back at once
+    os.umask(umask)
+    for path in paths:
+        os.chmod(path, 0o666 & ~umask)

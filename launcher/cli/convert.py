@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from moetron.launcher.cli.args import respect_umask
 from moetron.launcher.cli.help import HelpFormatter
 
 
@@ -73,6 +74,7 @@ def run(args) -> int:
         save_hf(model, out, eos_id=eos_id)
         if (ckpt / TOKENIZER_FILE).is_file():
             shutil.copyfile(ckpt / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    respect_umask(p for p in out.rglob("*") if p.is_file())  # all written just now: `out` was new or empty
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params:,} parameters ({model.embed.weight.dtype}) → {out}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moetron.launcher.cli.args import respect_umask
 from moetron.launcher.cli.help import HelpFormatter
 
 
@@ -12,7 +13,8 @@ def register(sub) -> None:
         "export", help="write a checkpoint's model as one safetensors file",
         description="Gather the model tensors of a sharded checkpoint (written on any parallel layout) "
                     "into one safetensors file, keyed by moetron parameter names, full shapes, saved "
-                    "dtypes; the resolved model config goes beside it as <out>.config.json. "
+                    "dtypes; the resolved model config goes beside it: --out NAME.safetensors also writes "
+                    "NAME.config.json. "
                     "RUN_OR_CHECKPOINT is a run folder (its newest complete checkpoint is used) or a "
                     "checkpoint folder. Optimizer state is not exported. Every shard is verified "
                     "against the checkpoint's manifest first.",
@@ -57,6 +59,7 @@ def run(args) -> int:
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp),
               metadata={"format": "pt", "moetron_step": str(state.get("step"))})
     config_path(out).write_text(json.dumps(config, indent=1) + "\n")
+    respect_umask([tmp])
     os.replace(tmp, out)
     total = sum(v.numel() * v.element_size() for v in tensors.values())
     print(f"wrote {out} ({len(tensors)} tensors, {total / 2**20:.1f} MiB) from {ckpt}")

@@ -62,11 +62,12 @@ def run(args) -> int:
     import json
 
     from moetron.launcher.config import ConfigError, load_config
+
+    cfg = load_config(args.config, args.overrides)  # before torch is loaded, so a bad config answers at once
     from moetron.launcher.perf.flop_counter import worst_mismatch
     from moetron.launcher.perf.flops import flops_by_component
     from moetron.launcher.perf.mfu import config_accounting
 
-    cfg = load_config(args.config, args.overrides)
     seq_len = cfg.train.seq_len if args.seq_len is None else args.seq_len
     batch = cfg.train.batch_size if args.batch is None else args.batch
     for flag, value in (("--seq-len", seq_len), ("--batch", batch), ("--measure-batch", args.measure_batch),

@@ -3,8 +3,12 @@ sample with a KV cache."""
 
 from __future__ import annotations
 
+import sys
+import time
+
 from moetron.launcher.cli.args import add_checkpoint_arguments, add_device_argument, device_of
 from moetron.launcher.cli.help import HelpFormatter
+from moetron.launcher.perf import display
 
 
 def register(sub) -> None:
@@ -76,14 +80,52 @@ def run(args) -> int:
 
     generator = torch.Generator(device=device).manual_seed(args.seed)
     eos = None if args.ignore_eos or tok is None else tok.eos_id
+    clock = DecodeClock(device)
+    hook = model.register_forward_pre_hook(clock.forward_starts)
     new_ids = generate(model, torch.tensor([prompt_ids]), args.max_new_tokens, sampling, generator=generator,
                        eos_id=eos, vocab_size=tok.vocab_size if tok is not None else None)[0].tolist()
+    speed = clock.summary(len(new_ids))
+    hook.remove()
     text = tok.decode(new_ids) if tok is not None else None
     if args.json:
         print(json.dumps({"ids": new_ids, "text": text}))
     else:
         print((tok.decode(prompt_ids) + text) if tok is not None else " ".join(map(str, prompt_ids + new_ids)))
+    if speed:  # on stderr: stdout stays the text (or the JSON) alone, for pipes
+        print(speed, file=sys.stderr)
     return 0
+
+
+class DecodeClock:
+    """Times a decode by the model's forward calls: the first is the prompt's prefill, and each
+    later one starts as soon as a token was chosen, so the second one's start is the time to the
+    first token and the rest of the tokens came at the decode rate."""
+
+    def __init__(self, device):
+        self.device, self.starts = device, []
+        self.t0 = self.now()
+
+    def now(self) -> float:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # NOTE: host-device sync, so the times are the device's
+        return time.perf_counter()
+
+    def forward_starts(self, *_) -> None:
+        self.starts.append(self.now())
+
+    def summary(self, new_tokens: int) -> str:
+        """'12 new tokens in 0.41 s: first after 0.052 s, then 30 tok/s' ('' for none)."""
+        if new_tokens == 0:
+            return ""
+        end = self.now()
+        first = self.starts[1] if len(self.starts) > 1 else end
+        noun = "token" if new_tokens == 1 else "tokens"
+        line = f"{new_tokens} new {noun} in {end - self.t0:.2f} s: first after {first - self.t0:.3f} s"
+        if new_tokens > 1:
+            line += f", then {display.tokens_per_s((new_tokens - 1) / max(end - first, 1e-9))}"
+        return line
 
 
 def _parse_ids(raw: str) -> list[int]:

@@ -1,11 +1,14 @@
 """The `moetron` command: one subcommand per user task, each implemented in its own module.
 
 Errors the user can fix (config, run folder, input files) print one line and exit with status 2.
+Under a multi-rank launch every rank exits 2 but only rank 0 prints, so a bad config reads once.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 
 from moetron.launcher.cli import convert, data, evaluate, export, flops, generate, jobs, plan, submit, train
@@ -13,16 +16,32 @@ from moetron.launcher.cli import convert, data, evaluate, export, flops, generat
 COMMANDS = [train, data, generate, evaluate, convert, flops, plan, submit, jobs, export]
 
 
-def user_errors() -> tuple[type[Exception], ...]:
-    """Problems with what the user asked for: reported as one line, exit status 2. Imported only
-    when something failed, so quick commands (status, logs, --help) never load torch."""
-    from moetron.launcher.checkpoint.io import CheckpointError
-    from moetron.launcher.cluster.submit import SlurmError
-    from moetron.launcher.config import ConfigError
-    from moetron.launcher.run_dir import RunError
-    from moetron.launcher.train.nonfinite import NonFiniteError
+# Problems with what the user asked for, reported as one line with exit status 2: (module, class).
+USER_ERRORS = (
+    ("moetron.launcher.config", "ConfigError"),
+    ("moetron.launcher.run_dir", "RunError"),
+    ("moetron.launcher.checkpoint.io", "CheckpointError"),
+    ("moetron.launcher.cluster.submit", "SlurmError"),
+    ("moetron.launcher.train.nonfinite", "NonFiniteError"),
+)
+# Where each launcher puts a process's rank; the first one set wins (torchrun's RANK first, as in
+# launcher/cluster/bootstrap.py, which is not asked here: it may call mpi4py or scontrol).
+RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 
-    return (ConfigError, RunError, CheckpointError, SlurmError, NonFiniteError, FileNotFoundError)
+
+def is_user_error(e: BaseException) -> bool:
+    """Whether `e` is a user error. Its class can only have been raised if its module is loaded, so
+    nothing is imported here: a config error is reported without loading torch."""
+    if isinstance(e, FileNotFoundError):
+        return True
+    return any(isinstance(e, getattr(sys.modules[module], name))
+               for module, name in USER_ERRORS if module in sys.modules)
+
+
+def is_rank_zero(env=os.environ) -> bool:
+    """Rank 0 of a multi-process launch, or a single process."""
+    rank = next((env[v] for v in RANK_VARIABLES if env.get(v, "").strip()), "0")
+    return rank.strip() == "0"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,8 +55,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unknown_command(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """One line for a first word that names no command (with the closest one), else None."""
+    if not argv or argv[0].startswith("-"):
+        return None
+    commands = next(a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if argv[0] in commands:
+        return None
+    guess = difflib.get_close_matches(argv[0], list(commands), n=1)
+    hint = f"did you mean `moetron {guess[0]}`? " if guess else ""
+    return f"moetron: unknown command {argv[0]!r}; {hint}commands: {', '.join(commands)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    problem = unknown_command(parser, argv)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
     # Commands that take key=value overrides take them after their options too
     # (`moetron eval RUN --seq-len 512 model.rope_scaling=yarn`), which argparse alone refuses.
     args, extra = parser.parse_known_args(argv)
@@ -51,9 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"moetron {args.command}: interrupted", file=sys.stderr)
         return 130
     except Exception as e:
-        if not isinstance(e, user_errors()):
+        if not is_user_error(e):
             raise
-        print(f"moetron {args.command}: {e}", file=sys.stderr)
+        if is_rank_zero():
+            print(f"moetron {args.command}: {e}", file=sys.stderr)
         return 2
 
 

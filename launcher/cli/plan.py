@@ -91,7 +91,6 @@ def matching(predictions, where) -> list:
 def make_plan(args):
     from moetron.launcher.config import ConfigError, load_config
     from moetron.launcher.perf.device_profiles import get_profile
-    from moetron.launcher.perf.planner import plan
 
     if args.gpus < 1:
         raise ConfigError(f"--gpus {args.gpus}: must be >= 1")
@@ -105,6 +104,9 @@ def make_plan(args):
     profile = get_profile(args.gpu, interconnect=args.interconnect)
     if args.expert_imbalance < 1:
         raise ConfigError(f"--expert-imbalance {args.expert_imbalance}: must be >= 1 (the busiest rank over the mean)")
+    # Imported once the config is valid: the planner loads torch (the mesh's shape), which takes seconds.
+    from moetron.launcher.perf.planner import plan
+
     return cfg, profile, plan(cfg, args.gpus, profile, gpus_per_node=args.gpus_per_node,
                               expert_imbalance=args.expert_imbalance)
 
@@ -113,6 +115,8 @@ def print_plan(cfg, args, profile, result, shown) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from moetron.launcher.perf import display
+
     console = Console(width=None if sys.stdout.isatty() else 1000)
     gib = 2**30
     t = cfg.train
@@ -120,13 +124,14 @@ def print_plan(cfg, args, profile, result, shown) -> None:
                         f"{t.batch_size} × {t.seq_len} tokens per step; {result.considered} layouts valid, "
                         f"{len(result.ranked)} parallel sections fit, {len(result.dropped)} do not",
                   title_justify="left")
-    for col in ("#", "layout", "step s", "tokens/s", "MFU", "GiB/rank w+g+o+act+buf", "comm GB/rank intra | inter",
+    for col in ("#", "layout", "step s", "throughput", "MFU", "GiB/rank w+g+o+act+buf", "comm GB/rank intra | inter",
                 "exposed comm s", "bubble"):
         table.add_column(col, no_wrap=col != "layout")
     for i, p in shown[:args.top]:
         m = p.memory
         parts = "+".join(f"{m[k] / gib:.1f}" for k in ("weights", "grads", "optimizer", "activations", "buffers"))
-        table.add_row(str(i), p.layout.label(), f"{p.step_s:.3g}", f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}",
+        table.add_row(str(i), p.layout.label(), f"{p.step_s:.3g}", display.tokens_per_s(p.tokens_per_s),
+                      display.mfu(p.mfu),
                       f"{m['total'] / gib:.1f} = {parts}",
                       f"{p.link_bytes['intra'] / 1e9:.2f} | {p.link_bytes['inter'] / 1e9:.2f}",
                       f"{p.times['comm_exposed']:.3g}", f"{p.bubble:.1%}")

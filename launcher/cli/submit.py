@@ -46,9 +46,9 @@ def register(sub) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    cfg, slurm_cfg = config_and_allocation(args)
     from moetron.launcher.cluster.submit import build_submission
 
-    cfg, slurm_cfg = config_and_allocation(args)
     sub = build_submission(cfg, slurm_cfg, cwd=Path.cwd())
     check_partition(slurm_cfg.partition, dry_run=args.dry_run)
     if args.dry_run:
@@ -63,12 +63,13 @@ def run(args) -> int:
 def config_and_allocation(args):
     """(the job's Config, its Slurm section with the flags applied); under --layout auto the
     config carries the layout `moetron plan` ranks first for the allocation."""
-    from moetron.launcher.cluster.submit import apply_flags
     from moetron.launcher.config import load_config
 
     # One rank per GPU: parallel.dp, where the config leaves it out, fills the allocation.
     flag_ranks = args.nodes * args.gpus_per_node if args.nodes and args.gpus_per_node else None
     cfg = load_config(args.config, args.overrides, world_size=flag_ranks)
+    from moetron.launcher.cluster.submit import apply_flags  # loads torch: only once the config is valid
+
     slurm_cfg = apply_flags(
         cfg.slurm, nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpus_per_task=args.cpus_per_task,
         partition=args.partition, time=args.time, account=args.account, qos=args.qos,

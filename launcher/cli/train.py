@@ -27,10 +27,12 @@ def register(sub) -> None:
 def run(args) -> int:
     from moetron.launcher.cluster.bootstrap import detect_rank
     from moetron.launcher.config import load_config
-    from moetron.launcher.train.trainer import train
 
     info = detect_rank()
     cfg = load_config(args.config, args.overrides, world_size=info.world_size)
+    # Imported once the config is valid: torch and the training stack take seconds to load.
+    from moetron.launcher.train.trainer import train
+
     run_path = train(cfg, resume=args.resume, exit_after=args.exit_after)
     if not info.is_main:
         return 0

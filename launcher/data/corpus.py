@@ -17,7 +17,7 @@ import sysconfig
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -139,7 +139,13 @@ def load_token_data(source: str, tokenizer: str = "byte", val_fraction: float = 
 class WindowSampler:
     """Hands out windows of `seq_len + 1` tokens (inputs and shifted targets) in a seeded random
     order, epoch after epoch. Its whole state is (epoch, index): saved with a checkpoint and
-    restored, it continues with exactly the windows an uninterrupted run would have seen."""
+    restored, it continues with exactly the windows an uninterrupted run would have seen.
+
+    Every rank walks the same global order, but reads only its part of each batch (`next_batch`'s
+    rows and spans), so reading, host memory and the copy to the device shrink with the layout
+    while the state, and so a resume under any other layout, stays that of the global batch.
+    `tokens_read` counts the tokens this sampler has gathered from the shards.
+    """
 
     def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int):
         self.shards, self.seq_len, self.seed = shards, seq_len, seed
@@ -150,15 +156,21 @@ class WindowSampler:
         if self.num_windows == 0:
             raise ValueError(f"not enough tokens for one window of {seq_len + 1}")
         self.epoch, self.index = 0, 0
+        self.tokens_read = 0
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
 
-    def window(self, w: int) -> np.ndarray:
+    def _locate(self, w: int) -> tuple[np.ndarray, int]:
+        """The shard holding window w and the window's first token in it."""
         shard = int(np.searchsorted(self.first, w, side="right") - 1)
-        start = (w - int(self.first[shard])) * self.seq_len
-        return np.asarray(self.shards[shard][start : start + self.seq_len + 1], dtype=np.int64)
+        return self.shards[shard], (w - int(self.first[shard])) * self.seq_len
+
+    def window(self, w: int) -> np.ndarray:
+        shard, start = self._locate(w)
+        self.tokens_read += self.seq_len + 1
+        return np.asarray(shard[start : start + self.seq_len + 1], dtype=np.int64)
 
     def next_windows(self, n: int) -> list[int]:
         out = []
@@ -170,9 +182,29 @@ class WindowSampler:
             self.index += 1
         return out
 
-    def next_batch(self, n: int) -> torch.Tensor:
-        """The next n windows as one (n, seq_len + 1) int64 tensor."""
-        return torch.from_numpy(np.stack([self.window(w) for w in self.next_windows(n)]))
+    def next_batch(self, n: int, rows: slice | None = None,
+                   spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The next n windows of the global order, of which only `rows` are read (a data-parallel
+        rank's slice of the batch; all of them by default) and of each only the token `spans`
+        ((start, stop) offsets into its seq_len + 1 tokens: a context-parallel rank's chunks;
+        the whole window by default). The state moves past all n windows whatever is read.
+
+        → (rows, seq_len + 1) int64, or with spans (rows, len(spans), stop − start): equal to
+        `next_batch(n)[rows]` cut at the spans.
+        """
+        windows = self.next_windows(n)[rows if rows is not None else slice(None)]
+        pieces = spans if spans is not None else [(0, self.seq_len + 1)]
+        widths = {stop - start for start, stop in pieces}
+        if len(widths) != 1 or not all(0 <= a < b <= self.seq_len + 1 for a, b in pieces):
+            raise ValueError(f"spans {spans}: need pieces of one width within a window's {self.seq_len + 1} tokens")
+        # Filled in place: the batch is the only copy of the tokens held here (no list to stack).
+        out_RPL = np.empty((len(windows), len(pieces), widths.pop()), dtype=np.int64)
+        for i, w in enumerate(windows):
+            shard, start = self._locate(w)
+            for j, (a, b) in enumerate(pieces):
+                out_RPL[i, j] = shard[start + a : start + b]
+        self.tokens_read += out_RPL.size
+        return torch.from_numpy(out_RPL if spans is not None else out_RPL[:, 0])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "seq_len": self.seq_len}
@@ -185,10 +217,26 @@ class WindowSampler:
         self._order = self._permutation(self.epoch)
 
 
-def validation_batches(shards: list[np.ndarray], seq_len: int, batch: int, n_batches: int) -> list[torch.Tensor]:
-    """A fixed set of validation windows, the same at every evaluation (seeded, not advancing)."""
+def validation_batches(shards: list[np.ndarray], seq_len: int, batch: int, n_batches: int, *,
+                       rows: Callable[[int], slice] | None = None,
+                       spans: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+    """A fixed set of validation windows, the same at every evaluation (seeded, not advancing).
+    rows(size) and spans pick the part of each batch this rank reads, as in `WindowSampler.next_batch`."""
     sampler = WindowSampler(shards, seq_len, seed=12345)
     n = min(batch * n_batches, sampler.num_windows)
-    windows = sampler.next_windows(n)
-    return [torch.from_numpy(np.stack([sampler.window(w) for w in windows[i : i + batch]]))
-            for i in range(0, n, batch)]
+    sizes = [min(batch, n - i) for i in range(0, n, batch)]
+    return [sampler.next_batch(size, rows(size) if rows else None, spans) for size in sizes]
+
+
+def window_shortage(split: str, lengths: list[int], seq_len: int) -> str | None:
+    """Why a split's token shards (their lengths) hold no window of seq_len + 1 tokens, the unit
+    `WindowSampler` hands out (a window never crosses a shard's end), as one phrase with the
+    numbers and the way out; None when they hold one."""
+    longest = max(lengths, default=0)
+    if longest >= seq_len + 1:
+        return None
+    shards = f" (the longest of its {len(lengths)} shards {longest:,})" if len(lengths) > 1 else ""
+    needed = f"one window of train.seq_len + 1 = {seq_len + 1:,} tokens is needed"
+    fix = f"train.seq_len={longest - 1} or less, or prepare more text" if longest > 1 else "prepare more text"
+    more = " (or a larger --val-fraction)" if split == "validation" else ""
+    return f"the {split} split holds {sum(lengths):,} tokens{shards}; {needed}: use {fix}{more}"

@@ -390,32 +390,50 @@ def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int,
     ranked, dropped, n = [], [], 0
     budget = MEMORY_HEADROOM * profile.memory_bytes
     for par in base_layouts(cfg, gpus, gpus_per_node=gpus_per_node):
+        layouts = variants(cfg, par)
         # The variants differ only in what `variants` already checks: validate one in full.
-        tried = [(layout, layout_config(cfg, layout)) for layout in variants(cfg, par)]
-        if not tried or not is_valid(tried[0][1], gpus):
+        if not layouts or not is_valid(layout_config(cfg, layouts[0]), gpus):
             continue
-        n += len(tried)
-        # Memory falls as accumulation rises and with checkpointing, and time rises with both: for
-        # each checkpointing choice the first accumulation that fits is the fastest.
-        best: list[tuple[Layout, Config]] = []
-        for ac in AC_MODES:
-            for layout, full in tried:
-                if (layout.activation_checkpoint == ac
-                        and predict_memory(full, layout, expert_imbalance=expert_imbalance)["total"] <= budget):
-                    best.append((layout, full))
-                    break
-        best = [(layout, full) for layout, full in best if is_valid(full, gpus)]
+        n += len(layouts)
+        best = _candidates(cfg, layouts, gpus, budget, expert_imbalance)
         if best:
             preds = [predict(full, layout, profile, gpus_per_node=gpus_per_node, expert_imbalance=expert_imbalance)
                      for layout, full in best]
             ranked.append(min(preds, key=lambda p: (p.step_s, p.memory["total"])))
         else:
-            layout, full = tried[-1]  # the leanest: most accumulation, checkpointed
-            dropped.append(predict(full, layout, profile, gpus_per_node=gpus_per_node,
+            layout = layouts[-1]  # the leanest: most accumulation, checkpointed
+            dropped.append(predict(layout_config(cfg, layout), layout, profile, gpus_per_node=gpus_per_node,
                                    expert_imbalance=expert_imbalance))
     ranked.sort(key=lambda p: (p.step_s, p.memory["total"]))
     dropped.sort(key=lambda p: p.memory["total"])
     return Plan(ranked, dropped, n)
+
+
+def _candidates(cfg: Config, layouts: list[Layout], gpus: int, budget: float,
+                imbalance: float) -> list[tuple[Layout, Config]]:
+    """The variants of one parallel section that can be its fastest: for each checkpointing choice
+    the least accumulation that fits (time rises with accumulation), unless a lighter choice fits
+    at the same accumulation — checkpointing then only adds recompute, overhead and memory
+    traffic. Memory falls as accumulation rises, so the first fit is found by bisection: memory
+    estimates for every accumulation of every section were a third of a large model's plan."""
+    out: list[tuple[Layout, Config]] = []
+    for ac in AC_MODES:
+        group = [layout for layout in layouts if layout.activation_checkpoint == ac]
+        lo, hi = 0, len(group)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            mem = predict_memory(layout_config(cfg, group[mid]), group[mid], expert_imbalance=imbalance)
+            if mem["total"] <= budget:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == len(group):
+            continue
+        layout = group[lo]
+        full = layout_config(cfg, layout)
+        if is_valid(full, gpus) and all(kept.grad_accum != layout.grad_accum for kept, _ in out):
+            out.append((layout, full))
+    return out
 
 
 def auto_layout(config: str, overrides: list[str], ranks: int, profile: str, *, gpus_per_node: int) -> list[str]:

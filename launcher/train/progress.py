@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 import time
 
+from moetron.launcher.perf import display
+
 
 class Progress:
     def __init__(self, total: int, start: int = 0, *, enabled: bool = True, stream=None):
@@ -30,11 +32,11 @@ class Progress:
             return
         self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "mfu")})
         if self._bar is not None:  # the bar shows the newest of each, val_loss included
-            info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items())
+            info = "  ".join(_shown(k, v) for k, v in self._last.items())
             self._bar.update(self._task, completed=step, info=info)
         elif "tokens_per_s" in record or "val_loss" in record:
             # A log line shows val_loss only where an evaluation ran.
-            info = "  ".join(f"{k} {v:,.4g}" for k, v in self._last.items() if k != "val_loss" or k in record)
+            info = "  ".join(_shown(k, v) for k, v in self._last.items() if k != "val_loss" or k in record)
             rate = (step - self.start) / max(time.perf_counter() - self._t0, 1e-9)
             eta = (self.total - step) / rate if rate > 0 else float("nan")
             print(f"step {step}/{self.total}  {info}  eta {eta:,.0f}s", file=self.stream, flush=True)
@@ -42,3 +44,12 @@ class Progress:
     def __exit__(self, *exc) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _shown(key: str, value: float) -> str:
+    """'loss 2.345', '9,768 tok/s', 'MFU 26.0%'."""
+    if key == "tokens_per_s":
+        return display.tokens_per_s(value)
+    if key == "mfu":
+        return f"MFU {display.mfu(value)}"
+    return f"{key} {value:.4g}"

@@ -5,7 +5,9 @@ is written, and the run can be resumed.
 `_loop` is the whole of it; the parts around it decide their own timing: the StepLogger
 (launcher/train/step_logger.py) when to log and evaluate, the CheckpointManager
 (launcher/train/checkpointer.py) when to save and what a failed save does, and the
-aux-loss-free bias update runs as a hook of the optimizer's step (ExpertBiasUpdate).
+aux-loss-free bias update runs as a hook of the optimizer's step (ExpertBiasUpdate). Before any
+of it, nothing is written to the run folder until the config, the data and the checkpoint are
+found usable (launcher/train/startup.py): a refused start leaves no folder behind.
 
 Legend: B sequences per micro-batch, S sequence length, V vocabulary.
 """
@@ -13,7 +15,6 @@ Legend: B sequences per micro-batch, S sequence length, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import threading
 import time
@@ -25,15 +26,22 @@ import torch.nn.functional as F
 
 from moetron.launcher.checkpoint.store import load_checkpoint
 from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distributed, shutdown
-from moetron.launcher.config import Config, ConfigError, validate_launch
-from moetron.launcher.data.corpus import WindowSampler, load_token_data, validation_batches
-from moetron.launcher.run_dir import RunDir, open_run_dir, truncate_metrics
+from moetron.launcher.config import Config, validate_launch
+from moetron.launcher.data.corpus import TokenData, WindowSampler, validation_batches
+from moetron.launcher.run_dir import RunDir, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
 from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.metrics import MetricsLogger
 from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
 from moetron.launcher.train.optim import lr_at, optimizer_for, set_lr
+from moetron.launcher.train.startup import (
+    already_finished,
+    checked_data,
+    load_resumable,
+    report_set_aside,
+    schedule_warnings,
+)
 from moetron.launcher.train.step_logger import StepLogger
 from moetron.model.transformer import build_model
 from moetron.parallel.expert_bias import clear_expert_counts, update_expert_biases
@@ -189,11 +197,13 @@ def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
-               grad_accum: int, grad_clip: float, autocast, after_backward=None) -> StepResult:
-    """One optimizer step on the global batch; this rank computes its data-parallel slice. A step
-    whose global loss or gradient norm is not finite leaves weights, optimizer state and expert
-    biases as they were. `after_backward()`, if given, runs before the gradients are reduced."""
-    losses = pm.forward_backward(pm.local_batch(batch_BS1), grad_accum=grad_accum, autocast=autocast)
+               grad_accum: int, grad_clip: float, autocast, after_backward=None, local: bool = False) -> StepResult:
+    """One optimizer step on the global batch; this rank computes its data-parallel slice (`local`:
+    the batch given is that slice already, as the sampler read it). A step whose global loss or
+    gradient norm is not finite leaves weights, optimizer state and expert biases as they were.
+    `after_backward()`, if given, runs before the gradients are reduced."""
+    losses = pm.forward_backward(batch_BS1 if local else pm.local_batch(batch_BS1), grad_accum=grad_accum,
+                                 autocast=autocast)
     if after_backward is not None:
         after_backward()
     grad_norm = float(pm.clip_grad_norm_(grad_clip if grad_clip > 0 else float("inf")))
@@ -209,7 +219,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: t
 
 
 def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -> float:
-    ce = [pm.evaluate(pm.local_batch(b.to(device)), autocast) for b in batches]
+    """Mean validation CE over `batches`, this rank's parts of them (see `_build`)."""
+    ce = [pm.evaluate(b.to(device), autocast) for b in batches]
     return pm.global_losses(torch.stack(ce).mean(), torch.zeros((), device=device))[0]
 
 
@@ -231,21 +242,22 @@ def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, c
 
 def _train(cfg: Config, resume: str, exit_after: int | None, console, info: RankInfo, device: torch.device) -> Path:
     t = cfg.train
-    run = _on_rank0(lambda: open_run_dir(cfg, resume))  # one decision, one folder, for all ranks
+    # One decision for all ranks, and nothing written until data and checkpoint are found usable.
+    run = _on_rank0(lambda: open_run_dir(cfg, resume, create=False))
     if info.world_size > 1:
         console(f"{info.world_size} ranks, launched by {info.launcher}, rendezvous at {info.master_addr}:{info.master_port}")
-    if run.resume_from is not None and _checkpoint_step(run.resume_from) >= t.steps:
-        # A job requeued after its last step (the signal came late) must not spend its start.
-        console(f"{run.path} already finished: {run.resume_from} is at step {t.steps}; nothing to train")
-        return run.path
+    if run.resume_from is not None and already_finished(run, t.steps, console):
+        return run.path  # a job requeued after its last step (the signal came late) must not spend its start
     if t.threads:
         torch.set_num_threads(t.threads)
-    parts = _build(cfg, device)
-    state = _start_state(parts, run, info, console)
+    parts = _build(cfg, device, checked_data(cfg))
+    state, run = _start_state(parts, run, console)
+    moved = _on_rank0(lambda: write_run_dir(run, cfg))
     if cfg.model.moe.bias_update_rate > 0:  # after the resume: loading steps the optimizer once
         ExpertBiasUpdate(parts.pm, cfg, device).register(parts.optimizer)
     metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=state.step + 1 if state.step else None)
     metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
+    report_set_aside(moved, run, state.step, metrics, console)
     meter, dashboards = start_run_dashboards(cfg, metrics, device, parts.bf16, world_size=info.world_size,
                                              console=console)
     checkpoints = CheckpointManager(run.checkpoints, t.checkpoint, parts.model, parts.optimizer, device=device,
@@ -291,12 +303,15 @@ def _step(parts: Components, state: TrainState, meter) -> tuple[float, StepResul
     t = parts.cfg.train
     lr = lr_at(state.step - state.skips.total, t, state.decay_steps)  # skipped steps do not move the schedule
     set_lr(parts.optimizer, lr)
-    batch = parts.sampler.next_batch(t.batch_size).to(parts.device)
+    # Only this rank's rows and positions are read and moved; the sampler passes the whole batch.
+    pm = parts.pm
+    batch = parts.sampler.next_batch(t.batch_size, pm.batch_rows(t.batch_size), pm.window_spans(t.seq_len))
+    batch = batch.to(parts.device)
     step_t0 = time.perf_counter()
     tokens = t.batch_size * t.seq_len
     with meter.step(parts.model, tokens):
         result = train_step(parts.pm, parts.optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
-                            autocast=parts.autocast)
+                            autocast=parts.autocast, local=True)
     state.skips.record(result.skipped, result.reason)
     step_s = time.perf_counter() - step_t0
     state.step += 1
@@ -304,39 +319,37 @@ def _step(parts: Components, state: TrainState, meter) -> tuple[float, StepResul
     return lr, result, step_s
 
 
-def _build(cfg: Config, device: torch.device) -> Components:
-    """This rank's data, model and optimizer, in the order that fixes the random draws."""
+def _build(cfg: Config, device: torch.device, data: TokenData) -> Components:
+    """This rank's model, optimizer and windows of `data`, in the order that fixes the random draws."""
     t = cfg.train
     bf16 = use_bf16(cfg, device)
-    data = load_token_data(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction)
-    if data.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: must be >= the tokenizer's "
-                          f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
     torch.manual_seed(t.seed)
     pm = build_parallel_model(cfg, device)
     for part in pm.modules:
         part.set_kernel_backend(cfg.kernel.backend)
     optimizer = optimizer_for(pm, t)
     sampler = WindowSampler(data.train, t.seq_len, t.seed)
-    val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches)
+    val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches, rows=pm.batch_rows,
+                                     spans=pm.window_spans(t.seq_len))
     return Components(cfg, pm, optimizer, sampler, val_batches, device, bf16, pm.expert_shards())
 
 
-def _start_state(parts: Components, run: RunDir, info: RankInfo, console) -> TrainState:
-    """Step 0, or where the checkpoint the run resumes from left off (its tensors and RNGs loaded)."""
+def _start_state(parts: Components, run: RunDir, console) -> tuple[TrainState, RunDir]:
+    """Step 0, or where the checkpoint the run resumes from left off (its tensors and RNGs loaded),
+    and the run, which may resume from an older checkpoint than chosen if that one was damaged."""
     t = parts.cfg.train
     state = TrainState(decay_steps=t.lr_decay_steps or t.steps, skips=SkipGuard(t.max_skipped_steps))
-    if run.resume_from is None:
-        return state
-    saved = load_checkpoint(run.resume_from, parts.model, parts.optimizer, expert_shards=parts.expert_shards)
-    state.step, state.tokens, state.earlier_s = saved["step"], saved["tokens"], saved.get("elapsed_s", 0.0)
-    state.decay_steps = _schedule_length(t, saved, console)
-    state.skips.total = saved.get("skipped_steps", 0)
-    parts.sampler.load_state_dict(saved["sampler"])
-    if info.is_main:  # one writer: another rank replacing the file would orphan rank 0's open log
-        truncate_metrics(run.path, state.step)
-    console(f"resumed from {run.resume_from} at step {state.step}")
-    return state
+    if run.resume_from is not None:
+        saved, run = load_resumable(run, parts.cfg, lambda ckpt: load_checkpoint(
+            ckpt, parts.model, parts.optimizer, expert_shards=parts.expert_shards), _on_rank0)
+        state.step, state.tokens, state.earlier_s = saved["step"], saved["tokens"], saved.get("elapsed_s", 0.0)
+        state.decay_steps = _schedule_length(t, saved, console)
+        state.skips.total = saved.get("skipped_steps", 0)
+        parts.sampler.load_state_dict(saved["sampler"])
+        console(f"resumed from {run.resume_from} at step {state.step}")
+    for line in schedule_warnings(t, state.decay_steps):
+        console(line)
+    return state, run
 
 
 def _checkpoint_state(parts: Components, state: TrainState, world_size: int) -> dict:
@@ -375,10 +388,6 @@ def _schedule_length(t, state: dict, console) -> int:
         console(f"lr schedule keeps the length it was started with ({saved} steps, now train.steps = "
                 f"{t.steps}); set train.lr_decay_steps to change it")
     return saved
-
-
-def _checkpoint_step(ckpt: Path) -> int:
-    return json.loads((ckpt / "state.json").read_text())["step"]
 
 
 def _yaml(cfg: Config) -> str:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from moetron.launcher.checkpoint.store import consolidated_model_state, load_checkpoint
+from moetron.launcher.cli.main import main
 from moetron.launcher.config import load_config
 from moetron.launcher.train.trainer import train
 from moetron.model.transformer import build_model
@@ -86,29 +87,88 @@ def _copy_run(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_truncated_shard_stops_with_the_file_and_the_previous_checkpoint(tmp_run_dir, straight):
-    run = _copy_run(straight, tmp_run_dir / "straight")
-    shard = next((run / "checkpoints" / "step-00000020").glob("*.distcp"))
-    shard.write_bytes(shard.read_bytes()[:1000])
-    before = sorted(str(p) for p in run.rglob("*"))
-    proc = cli("train", TINY, *SMALL, f"train.run_dir={tmp_run_dir}", "train.name=straight", "train.steps=25")
-    assert proc.returncode == 2, proc.stderr
-    line = proc.stderr.strip()
-    assert "\n" not in line and str(shard) in line and "truncated" in line
-    assert f"--resume {run / 'checkpoints' / 'step-00000015'}" in line
-    assert sorted(str(p) for p in run.rglob("*")) == before  # nothing deleted
-
-
-def test_corrupt_shard_is_caught_at_load(tmp_run_dir, straight):
-    run = _copy_run(straight, tmp_run_dir / "straight")
-    shard = next((run / "checkpoints" / "step-00000020").glob("*.distcp"))
+def _damage(shard: Path, how: str) -> None:
+    """Cut a shard short (seen by its size before the resume is chosen) or flip one of its bytes
+    (seen by its hash while it loads)."""
     data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x55
-    shard.write_bytes(bytes(data))
-    proc = cli("train", TINY, *SMALL, f"train.run_dir={tmp_run_dir}", "train.name=straight", "train.steps=25")
-    assert proc.returncode == 2, proc.stderr
-    line = proc.stderr.strip()
-    assert "\n" not in line and f"{shard}: corrupt" in line and "step-00000015" in line
+    if how == "truncated":
+        shard.write_bytes(bytes(data[:1000]))
+    else:
+        data[len(data) // 3] ^= 0x55
+        shard.write_bytes(bytes(data))
+
+
+def scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt"])
+def test_auto_resume_sets_a_damaged_checkpoint_aside_and_goes_on_from_the_previous(tmp_run_dir, straight, how):
+    """A requeued job must not die on a damaged newest checkpoint: --resume auto sets it aside
+    (renamed, every byte kept), resumes step 15 with the uninterrupted run's numbers, and says so
+    on the console, in metrics.jsonl and in TensorBoard. A cut shard is seen by its size before the
+    resume is chosen, a flipped byte by its hash while the checkpoint loads."""
+    run = _copy_run(straight, tmp_run_dir / "straight")
+    ckpts = run / "checkpoints"
+    shard = next((ckpts / "step-00000020").glob("*.distcp"))
+    _damage(shard, how)
+    damaged = shard.read_bytes()
+    lines = []
+    train(small(tmp_run_dir, "train.name=straight", "train.steps=25"), console=lines.append)
+    aside = ckpts / "damaged-step-00000020"
+    warning = [line for line in lines if line.startswith("WARNING")]
+    assert len(warning) == 1
+    assert warning[0].startswith(f"WARNING: checkpoint {ckpts / 'step-00000020'} is damaged ({shard}: "
+                                 f"{'truncated or overwritten: 1000 bytes' if how == 'truncated' else 'corrupt'}")
+    assert warning[0].endswith(f"); set aside as {aside}; resumed from {ckpts / 'step-00000015'} at step 15 instead")
+    assert (aside / shard.name).read_bytes() == damaged and (aside / "COMPLETE").is_file()
+    assert (ckpts / "latest").read_text().strip() == "step-00000025"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    noted = [r for r in recs if "damaged_checkpoints" in r]
+    assert noted == [{"step": 15, "damaged_checkpoints": 1, "resumed_from": str(ckpts / "step-00000015"),
+                      "set_aside": [str(aside)]}]
+    # The schedule keeps its 20 steps: steps 16-20 are the uninterrupted run's, bit for bit.
+    assert [{k: r.get(k) for k in KEYS} for r in recs if r not in noted and r["step"] <= 20] == losses(straight)
+    assert scalars(run, "damaged_checkpoints") == [(15, 1.0)]
+    # Set aside, it is never picked up again: a rerun finds the run finished.
+    assert train(small(tmp_run_dir, "train.name=straight", "train.steps=25"), console=lines.append) == run
+    assert lines[-1].startswith(f"{run} already finished: {ckpts / 'step-00000025'} is at step 25")
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt"])
+def test_an_explicit_resume_of_a_damaged_checkpoint_is_refused_in_one_line(tmp_run_dir, straight, how, capsys):
+    run = _copy_run(straight, tmp_run_dir / "straight")
+    shard = next((run / "checkpoints" / "step-00000020").glob("*.distcp"))
+    _damage(shard, how)
+    before = sorted(str(p) for p in tmp_run_dir.rglob("*"))
+    code = main(["train", str(TINY), *SMALL, f"train.run_dir={tmp_run_dir}", "train.name=again", "train.steps=25",
+                 "--resume", str(run / "checkpoints" / "step-00000020")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and str(shard) in err
+    assert ("truncated" if how == "truncated" else "corrupt") in err
+    assert str(run / "checkpoints" / "step-00000015") in err
+    assert sorted(str(p) for p in tmp_run_dir.rglob("*")) == before  # nothing written, nothing moved
+
+
+def test_when_every_checkpoint_is_damaged_auto_resume_refuses_and_moves_nothing(tmp_run_dir, straight):
+    from moetron.launcher.run_dir import RunError, open_run_dir
+
+    run = _copy_run(straight, tmp_run_dir / "straight")
+    for ckpt in (run / "checkpoints").glob("step-*"):
+        (ckpt / "state.json").write_text((ckpt / "state.json").read_text()[:50])
+    before = _tree(run)
+    with pytest.raises(RunError, match=r"no intact checkpoint to resume from; the newest, .*step-00000020, is "
+                                       r"damaged: .*state.json: truncated or overwritten.*the 1 older one is damaged too"):
+        open_run_dir(small(tmp_run_dir, "train.name=straight"))
+    assert _tree(run) == before
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_other_model_names_config_key_and_tensors(tmp_run_dir, straight):

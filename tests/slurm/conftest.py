@@ -5,6 +5,11 @@ otherwise, when Slurm is installed, it runs slurm/start.sh (a few seconds cold, 
 daemons already run) and exports SLURM_CONF to every subprocess. The cluster is left running:
 other test sessions on this machine may be using it, and the next session starts instantly.
 `slurm/stop.sh` stops it.
+
+Under `pytest -n 2` (the README's test command) every test here runs on the same worker, one after
+another: they share one cluster's queue and partitions (a test that preempts or fills a partition
+would disturb another's job), and they spend most of their time waiting on the scheduler, which
+the other worker fills with the rest of the suite.
 """
 
 import os
@@ -19,6 +24,15 @@ import pytest
 # Variables a launcher sets; the tests may themselves run inside a Slurm job or under torchrun.
 _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "TORCHELASTIC_")
 _LAUNCH_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+
+HERE = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        if HERE in item.path.parents:
+            item.add_marker(pytest.mark.xdist_group("slurm"))
 
 
 def slurm_script(name: str) -> Path:

@@ -5,6 +5,7 @@ import json
 import os
 import pickle
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from moetron.launcher.checkpoint import store as checkpoint
-from moetron.launcher.checkpoint.io import MANIFEST, CheckpointError, load_metadata, read_manifest
+from moetron.launcher.checkpoint.io import (
+    MANIFEST,
+    CheckpointDamaged,
+    CheckpointError,
+    load_metadata,
+    read_manifest,
+    verify_checkpoint,
+)
 from moetron.launcher.checkpoint.store import (
     Checkpointer,
     complete_checkpoints,
@@ -26,6 +34,7 @@ from moetron.launcher.checkpoint.store import (
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    set_aside,
 )
 
 
@@ -205,6 +214,37 @@ def test_damaged_checkpoint_is_refused_with_the_previous_one_offered(tmp_path, d
     assert _contents(tmp_path) == before  # nothing deleted, rewritten or moved
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))  # the live model untouched
     load_checkpoint(first, model, opt)  # the one offered loads
+
+
+@pytest.mark.parametrize("damage", ["shard", "state"])
+def test_without_a_manifest_a_cut_file_is_still_named(tmp_path, damage):
+    """A checkpoint without its manifest (removed, or written by dcp.save alone) still has its
+    .metadata, which records how many bytes went into each shard; and its state.json must parse."""
+    first, second = _two_checkpoints(tmp_path)
+    (second / MANIFEST).unlink()
+    bad = _shard(second) if damage == "shard" else second / "state.json"
+    size = bad.stat().st_size
+    bad.write_bytes(bad.read_bytes()[:10])
+    expected = (rf"{bad}: truncated: 10 bytes, its \.metadata records {size} bytes written there" if damage == "shard"
+                else rf"{bad}: unreadable, cut short or overwritten")
+    for read in (lambda: load_checkpoint(second, *make()), lambda: consolidated_model_state(second)):
+        with pytest.raises(CheckpointDamaged, match=rf"{expected}.*previous complete checkpoint is .*step-00000001"):
+            read()
+    assert verify_checkpoint(first) is None and re.match(expected, verify_checkpoint(second))
+
+
+def test_set_aside_keeps_a_damaged_checkpoint_out_of_every_listing(tmp_path):
+    first, second = _two_checkpoints(tmp_path)
+    files = _contents(second)
+    moved = set_aside(second)
+    assert moved == tmp_path / "damaged-step-00000002" and _contents(moved) == files
+    assert complete_checkpoints(tmp_path) == [first] and latest_checkpoint(tmp_path) == first
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    # The same step damaged again (saved anew, then damaged) does not overwrite the first one set aside.
+    again = save_checkpoint(tmp_path, 2, *make(), {"step": 2})
+    assert set_aside(again) == tmp_path / "damaged-step-00000002.2"
+    assert set_aside(first) == tmp_path / "damaged-step-00000001"
+    assert complete_checkpoints(tmp_path) == [] and not (tmp_path / "latest").exists()
 
 
 def test_a_plain_file_where_a_checkpoint_folder_is_expected(tmp_path):

@@ -124,6 +124,29 @@ def test_async_save_on_two_ranks_resumes_bit_exactly(async_runs):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in b)
 
 
+def test_two_ranks_pass_over_a_checkpoint_found_corrupt_while_loading(async_runs, tmp_path):
+    """An automatic resume on two ranks whose newest checkpoint has a flipped byte in rank 1's
+    shard (seen by its hash as it loads, on the rank that reads it): every rank falls back to
+    step 4 together, the damaged one is set aside, and steps 5-6 repeat the run's own numbers."""
+    run = Path(shutil.copytree(async_runs / "sync", tmp_path / "sync"))
+    ckpts = run / "checkpoints"
+    shard = ckpts / "step-00000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    torchrun(2, "tiny.yaml", "parallel.dp=2", "parallel.ep=2", f"train.run_dir={tmp_path}", "train.name=sync",
+             "train.steps=7", "train.checkpoint.every=2", "train.checkpoint.keep=10")
+    assert (ckpts / "damaged-step-00000006" / "__1_0.distcp").read_bytes() == bytes(data)
+    assert sorted(p.name for p in ckpts.glob("step-*")) == [f"step-0000000{i}" for i in (2, 4, 6, 7)]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    noted = [r for r in recs if "damaged_checkpoints" in r]
+    assert noted == [{"step": 4, "damaged_checkpoints": 1, "resumed_from": str(ckpts / "step-00000004"),
+                      "set_aside": [str(ckpts / "damaged-step-00000006")]}]
+    # (The 6-step run evaluated at its last step; this one, going on to 7, did not at step 6.)
+    resumed = [{k: r.get(k) for k in KEYS if k != "val_loss"} for r in recs if r not in noted and r["step"] <= 6]
+    assert resumed == [{k: v for k, v in r.items() if k != "val_loss"} for r in records(async_runs / "sync")]
+
+
 @pytest.fixture(scope="module")
 def pp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")

@@ -83,3 +83,36 @@ def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, args, needle)
     assert main(["generate", *(a.format(**paths) for a in args)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("moetron generate: ") and needle in err
+
+
+def _damaged_copy(run: Path, where: Path, damage: str) -> tuple[Path, Path]:
+    """A copy of the run with its checkpoint damaged: state.json cut short (the manifest sees its
+    size), or a shard cut short with the manifest removed (its .metadata records what was written);
+    returns (the copy, the damaged file)."""
+    import shutil
+
+    copy = Path(shutil.copytree(run, where / "damaged"))
+    ckpt = next((copy / "checkpoints").glob("step-*"))
+    if damage == "state":
+        bad = ckpt / "state.json"
+    else:
+        bad = next(ckpt.glob("*.distcp"))
+        (ckpt / "manifest.json").unlink()
+    bad.write_bytes(bad.read_bytes()[:100])
+    return copy, bad
+
+
+@pytest.mark.parametrize("damage", ["state", "shard_without_manifest"])
+def test_a_damaged_checkpoint_is_one_line_naming_the_file(run, tmp_path, capsys, damage):
+    """The check train and export make first: eval and generate name the checkpoint and the file
+    instead of a JSONDecodeError or DCP's "CheckpointException ranks:dict_keys([0])"."""
+    copy, bad = _damaged_copy(run, tmp_path, damage)
+    ckpt = bad.parent
+    for command in (["generate", str(copy), "--prompt-ids", "1,2", "--max-new-tokens", "2"],
+                    ["eval", str(copy), "--seq-len", "32", "--tokens", "64"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"moetron {command[0]}: checkpoint {ckpt} is damaged: {bad}: ")
+        assert ("truncated or overwritten: 100 bytes, the manifest says" if damage == "state"
+                else "truncated: 100 bytes, its .metadata records") in err
+        assert err.endswith("no earlier complete checkpoint exists (nothing was deleted)\n")

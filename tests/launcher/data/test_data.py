@@ -86,8 +86,9 @@ def test_prepare_writes_memory_mapped_shards(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} ünïcode"}) for i in range(300)))
     out = tmp_path / "out" / "corpus"
-    proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", str(tmp_path / "a.txt"),
-                           str(tmp_path / "b.jsonl"), "--out", str(out)], capture_output=True, text=True)
+    # Named relative to the folder, the documents split the same on every machine (3 held out).
+    proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", "a.txt", "b.jsonl", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     header = json.loads(out.with_name("corpus.json").read_text())
     assert header["format"] == "moetron.tokens" and header["dtype"] == "uint16"
@@ -101,18 +102,20 @@ def test_prepare_writes_memory_mapped_shards(tmp_path):
 
 def test_prepare_with_a_trained_bpe_and_reusing_its_tokenizer_json(tmp_path):
     text = "def function(argument):\n    return argument + 1\n" * 200
-    (tmp_path / "code.txt").write_text(text)
+    # 40 documents, half held out: both splits get some (a lone document would leave one empty).
+    (tmp_path / "code.jsonl").write_text("\n".join(json.dumps({"text": text[i * len(text) // 40:(i + 1) * len(text) // 40]})
+                                                   for i in range(40)))
     out = tmp_path / "bpe"
-    run = lambda *a: subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", *a],  # noqa: E731
-                                    capture_output=True, text=True)
-    proc = run(str(tmp_path / "code.txt"), "--out", str(out), "--tokenizer", "bpe", "--vocab-size", "300")
+    run = lambda *a: subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", *a,  # noqa: E731
+                                     "--val-fraction", "0.5"], capture_output=True, text=True)
+    proc = run(str(tmp_path / "code.jsonl"), "--out", str(out), "--tokenizer", "bpe", "--vocab-size", "300")
     assert proc.returncode == 0, proc.stderr
     tok_json = tmp_path / "bpe.tokenizer.json"
     tok = load_tokenizer(str(tok_json))
     assert tok.decode(tok.encode(text[:100])) == text[:100]
     data = load_token_data(str(out))
     assert len(np.concatenate([*data.train, *data.val])) < len(text) / 2  # BPE compresses repeated code
-    proc = run(str(tmp_path / "code.txt"), "--out", str(tmp_path / "again"), "--tokenizer", str(tok_json))
+    proc = run(str(tmp_path / "code.jsonl"), "--out", str(tmp_path / "again"), "--tokenizer", str(tok_json))
     assert proc.returncode == 0, proc.stderr
     again = load_token_data(str(tmp_path / "again"))
     assert np.array_equal(np.concatenate(again.train + again.val), np.concatenate(data.train + data.val))
@@ -134,3 +137,39 @@ def test_prepare_refuses_missing_input(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", "nope.txt", "--out", str(tmp_path / "x")],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "nope.txt: no such file" in proc.stderr
+
+
+def test_prepare_refuses_documents_that_cannot_make_both_splits_and_writes_nothing(tmp_path):
+    """A document goes whole to one split by a hash of its name: one document leaves a split empty,
+    which no run can use. Refused before anything is written (a trained BPE included)."""
+    (tmp_path / "one.txt").write_text("hello world\n" * 100)
+    for extra, side, fix in ((["--val-fraction", "1e-9"], "training, none to validation", "a larger"),
+                             (["--val-fraction", "0.999999"], "validation, none to training", "a smaller")):
+        proc = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", str(tmp_path / "one.txt"),
+                               "--out", str(tmp_path / "out" / "c"), "--tokenizer", "bpe", *extra],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.count("\n") == 1 and f"the only document went to {side}" in proc.stderr
+        assert f"or {fix} --val-fraction" in proc.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_prepare_warns_of_a_split_shorter_than_a_default_window(tmp_path, capsys, monkeypatch):
+    """Both splits written, and a split under 257 tokens (train.seq_len 256 + 1) named with its
+    size and the longest seq_len it can feed, which then trains (tests/launcher/train/test_startup.py)."""
+    from moetron.launcher.cli.main import main
+
+    monkeypatch.chdir(tmp_path)  # documents are named by their path: "notes.jsonl:55" is held out
+    (tmp_path / "notes.jsonl").write_text("\n".join(json.dumps({"text": f"note {i}"}) for i in range(60)))
+    assert main(["data", "prepare", "notes.jsonl", "--out", "notes"]) == 0
+    out, err = capsys.readouterr()
+    data = load_token_data(str(tmp_path / "notes"))
+    train_tokens, val_tokens = sum(map(len, data.train)), sum(map(len, data.val))
+    assert out.startswith(f"60 documents → {train_tokens:,} train and {val_tokens:,} validation tokens")
+    assert 0 < val_tokens < 257 and 0 < train_tokens < 257 * 3
+    expected = [f"warning: at train.seq_len = 256 (the default), the {split} split holds {n} tokens; one window "
+                f"of train.seq_len + 1 = 257 tokens is needed: use train.seq_len={n - 1} or less, or prepare "
+                f"more text{more}" for split, n, more in (("train", train_tokens, ""),
+                                                            ("validation", val_tokens, " (or a larger --val-fraction)"))
+                if n < 257]
+    assert err.splitlines() == expected and expected

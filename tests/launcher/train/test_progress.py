@@ -15,4 +15,4 @@ def test_log_lines_show_val_loss_only_where_it_was_evaluated():
     lines = stream.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["10/30", "20/30", "30/30"]
     assert "val_loss 2.25" in lines[0] and "val_loss" not in lines[1] and "val_loss 1.75" in lines[2]
-    assert "loss 2 " in lines[1] and "tokens_per_s 1,100" in lines[1]
+    assert "loss 2 " in lines[1] and "1,100 tok/s" in lines[1]

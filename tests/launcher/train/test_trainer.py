@@ -205,7 +205,9 @@ def test_aux_loss_free_routing_trains_and_resumes_bit_exactly(tmp_run_dir):
     assert all(a[k].abs().max() > 0 and torch.allclose(a[k] / 0.01, (a[k] / 0.01).round(), atol=1e-4) for k in biases)
 
 
-def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing(tmp_run_dir):
+def test_resuming_a_damaged_checkpoint_by_its_path_exits_2_with_one_line_and_touches_nothing(tmp_run_dir):
+    """--resume PATH names one checkpoint: damaged, it is refused (an automatic resume passes it
+    over instead, tests/launcher/test_run_dir.py)."""
     args = [sys.executable, "-m", "moetron", "train", str(TINY), *SMALL, f"train.run_dir={tmp_run_dir}",
             "train.name=dmg", "train.steps=2", "train.checkpoint.every=1", "train.checkpoint.keep=5"]
     assert subprocess.run(args, capture_output=True, text=True, timeout=300).returncode == 0
@@ -215,7 +217,8 @@ def test_resuming_a_damaged_checkpoint_exits_2_with_one_line_and_touches_nothing
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in sorted(tmp_run_dir.rglob("*")) if p.is_file() and "tensorboard" not in p.parts}
-    proc = subprocess.run([*args[:-3], "train.steps=4"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*args[:-3], "train.steps=4", "--resume", str(ckpts / "step-00000002")],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"{shard}: corrupt" in line and "previous complete checkpoint is" in line and "step-00000001" in line
