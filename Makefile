@@ -1,20 +1,35 @@
 # Two entry points, each setting up what it needs on a fresh Debian machine with Python 3.11:
-#   make train         install, then train the default tiny MoE on the embedded corpus
-#   make test          install (with test oracles, Slurm and MPI), then run the test suite
+#   make train         create .venv/, install moetron into it, train the default tiny MoE on the embedded corpus
+#   make test          the same with the test oracles, plus Slurm and Open MPI from apt (as root), then run the
+#                      test suite; the local Slurm the tests start is stopped again at the end
+#   make stop          stop the local Slurm slurm/start.sh started (munged, mariadbd, slurmdbd, slurmctld and
+#                      its slurmscriptd, slurmd)
 # and one for maintainers, not run by CI:
 #   make test-latest   the same with the newest versions pyproject.toml admits (torch stays pinned)
 #   make constraints   write constraints.txt from what is installed (after test-latest passed)
-PYTHON ?= python3
+#
+# Every Python package goes into the project's own virtual environment, .venv/, never into the system's
+# interpreter; everything the tests start (torchrun, mpirun, srun, Slurm batch jobs) runs .venv/bin/python.
+BASE_PYTHON ?= python3
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 # The CPU build of torch for machines without a GPU; clusters install their CUDA build first.
 TORCH ?= torch==2.13.0
 # Versions the suite last passed with, so a new release elsewhere cannot turn a fresh install red.
 CONSTRAINTS ?= -c constraints.txt
 UPGRADE ?=
+# pytest workers: the Slurm tests, which mostly wait on the scheduler, share one; the rest of the suite
+# fills both cores (tests/slurm/conftest.py). More workers than cores only slows the multi-rank tests.
+TEST_WORKERS ?= 2
 
-.PHONY: setup setup-test train test test-latest constraints
+.PHONY: setup setup-test train test stop test-latest constraints
 
-setup:
+# bin/pip appears only once venv's ensurepip succeeded, so a half-made .venv/ is completed next time.
+$(VENV)/bin/pip:
+	@$(BASE_PYTHON) -m venv $(VENV) || { echo "make: '$(BASE_PYTHON) -m venv $(VENV)' failed; on Debian install python3-venv (apt-get install python3-venv) and run make again" >&2; exit 1; }
+
+setup: $(VENV)/bin/pip
 	$(PIP) $(TORCH)
 	$(PIP) $(UPGRADE) $(CONSTRAINTS) -e '.[dev]' $(TORCH)
 
@@ -27,8 +42,13 @@ setup-test: setup
 train: setup
 	$(PYTHON) -m moetron train configs/tiny.yaml
 
+# The Slurm tests start the local Slurm themselves; it is stopped again when pytest ends, unless it ran
+# before (slurm/run_then_stop.sh). The recipe's exit status is pytest's.
 test: setup-test
-	$(PYTHON) -m pytest -q
+	bash slurm/run_then_stop.sh $(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
+
+stop:
+	bash slurm/stop.sh
 
 test-latest:
 	$(MAKE) test CONSTRAINTS= UPGRADE='--upgrade --upgrade-strategy eager'

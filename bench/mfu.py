@@ -22,7 +22,7 @@ import torch
 from moetron.launcher.config import load_config
 from moetron.launcher.perf.flop_counter import ComponentFlopCounter, single_process_step
 from moetron.launcher.perf.flops import flops_per_token, flops_per_token_6n
-from moetron.launcher.perf.mfu import CPU_PEAK_SHAPES, device_peak, memory_gib, time_matmul
+from moetron.launcher.perf.mfu import PEAK_DTYPES, device_peak, memory_gib, sweep_matmul_peak
 from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.optim import build_optimizer
 from moetron.model.transformer import build_model
@@ -31,8 +31,10 @@ from moetron.parallel.parallelize import apply_compile
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
 
-def cpu_peak(dtype: torch.dtype) -> float:
-    return max(time_matmul(m, k, n, dtype) for m, k, n in CPU_PEAK_SHAPES)
+def cpu_peak() -> float:
+    """This CPU's peak by PEAK_DEFINITION (the faster of bf16 and fp32 dense matmul), measured now:
+    the bench takes it before and after its steps instead of training's cached figure."""
+    return max(max(sweep_matmul_peak(dtype).values()) for dtype in PEAK_DTYPES)
 
 
 def synchronize(device: torch.device) -> None:
@@ -72,7 +74,6 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     device = resolve_device(cfg)
     bf16 = use_bf16(cfg, device)
-    dtype = torch.bfloat16 if bf16 else torch.float32
     t = cfg.train
     torch.manual_seed(t.seed)
     model = build_model(cfg.model, device=device)
@@ -87,7 +88,7 @@ def run(args) -> dict:
         single_process_step(model, optimizer, tokens_BS1, autocast)
 
     load_before = os.getloadavg()[0]
-    peak_before = cpu_peak(dtype) if device.type == "cpu" else None
+    peak_before = cpu_peak() if device.type == "cpu" else None
     # FLOPs are counted on an eager step: the counter sees aten ops and moetron's kernels, not
     # the code that torch.compile generates for them.
     step()
@@ -95,12 +96,12 @@ def run(args) -> dict:
         step()
     compile_s, times = time_steps(step, model if t.compile else None, device, args.warmup, args.steps)
     memory = memory_gib(device)
-    peak_after = cpu_peak(dtype) if device.type == "cpu" else None
+    peak_after = cpu_peak() if device.type == "cpu" else None
     load_after = os.getloadavg()[0]
 
     if device.type == "cpu":
         peak = max(peak_before, peak_after)
-        peak_source = f"CPU {str(dtype).removeprefix('torch.')} matmul peak measured now"
+        peak_source = "CPU dense matmul peak (the faster of bf16 and fp32) measured before and after the steps"
     else:
         resolved = device_peak(device, bf16, t.peak_tflops)
         peak, peak_source = resolved.flops, resolved.source

@@ -50,10 +50,7 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
     def wrap(module, on):
         if cfg.dp_mode in ("fsdp", "hsdp"):
             return fully_shard(module, mesh=on)
-        # Imported here: torch builds without it (2.11 has no replicate_with_fsdp) still train without DDP.
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        return replicate(module, mesh=on)
+        return replicate_fn()(module, mesh=on)
 
     for block in model.layers.values():
         if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
@@ -73,6 +70,26 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
     if tail:
         wrap(tail, dp_mesh)
     wrap(model, dp_mesh)
+
+
+def replicate_fn():
+    """torch's `replicate` built on FSDP2, which dp_mode ddp and zero1 wrap with: a private API,
+    kept because torch 2.13 has no public one that does the same. Its parameters become DTensors
+    replicated over the dp mesh, composing with fully_shard units (the experts) and TP DTensors as
+    FSDP2's do. The public candidates fall short: `fully_shard(..., dp_mesh_dims=
+    DataParallelMeshDims(replicate=...))` refuses parameters that are not already DTensors on the
+    whole SPMD mesh (ours are plain, or TP DTensors on a sub-mesh); `torch.distributed._composable.
+    replicate` is private as well and DDP-based (plain tensors, no FSDP2 composition);
+    `DistributedDataParallel` wraps the module, renaming every parameter. Imported when used, so a
+    torch without it (2.11) still trains with fsdp; tests/parallel/test_replicate_api.py fails,
+    with this message, if it moves."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError as e:
+        raise RuntimeError(f"parallel.dp_mode ddp and zero1 need torch.distributed._composable.replicate_with_fsdp"
+                           f".replicate, which torch {torch.__version__} does not have ({e}); use "
+                           f"parallel.dp_mode=fsdp or hsdp, or a torch that has it (2.13 does)") from None
+    return replicate
 
 
 def _on_gloo(mesh) -> bool:

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Install a single-node Slurm (with accounting), munge and Open MPI from apt, plus the Python
-# packages the launcher uses with them. Safe to run again: it installs only what is missing.
+# Install a single-node Slurm (with accounting), munge and Open MPI from apt. Safe to run again: it
+# installs only the packages that are missing, says which before it does, and upgrades no package
+# already installed except a library one of them needs a newer version of (it names those first).
+# No Python package: mpi4py, which loads this Open MPI, is one of moetron's own dependencies.
 #
 # apt must not start any daemon: start.sh runs every daemon itself, with all of its state under
 # one folder, so nothing is left behind in /etc or /var outside the package files.
 set -euo pipefail
 
 APT_PACKAGES=(slurmctld slurmd slurm-client munge slurmdbd mariadb-server openmpi-bin libopenmpi-dev)
-PIP_PACKAGES=(mpi4py)
-PYTHON="${PYTHON:-python3}"
 
 log="$(mktemp -t moetron-slurm-install.XXXXXX)"
 trap 'rm -f "$log"' EXIT
@@ -48,23 +48,26 @@ if ((${#missing[@]})); then
     chmod 755 "$policy"
 
     export DEBIAN_FRONTEND=noninteractive
-    # Refresh the package lists only when a first attempt cannot find the packages.
-    apt_install() {
-        apt-get install -y -q --no-install-recommends "${missing[@]}" >>"$log" 2>&1
+    # --no-upgrade: a package already installed stays at its version unless a new one requires more.
+    apt_args=(-q --no-install-recommends --no-upgrade "${missing[@]}")
+    # announce: say what apt will install, and name any installed package it must upgrade for them
+    # ("Inst NAME [OLD] (NEW ...)" in its simulation); fails when apt cannot find the packages.
+    announce() {
+        local plan upgrades
+        plan="$(apt-get install -s "${apt_args[@]}" 2>>"$log")" || return 1
+        upgrades="$(awk '$1 == "Inst" && $3 ~ /^\[/ { gsub(/[][]/, "", $3); sub(/^[(]/, "", $4); printf "%s %s -> %s, ", $2, $3, $4 }' <<<"$plan")"
+        echo "slurm/install.sh: apt-get install ${missing[*]} ($(grep -c '^Inst ' <<<"$plan" || true) packages with their dependencies)" >&2
+        if [[ -n "$upgrades" ]]; then
+            echo "slurm/install.sh: they need newer versions of installed packages, which apt upgrades: ${upgrades%, }" >&2
+        fi
     }
-    if ! apt_install; then
+    apt_install() {
+        apt-get install -y "${apt_args[@]}" >>"$log" 2>&1
+    }
+    # Refresh the package lists only when apt cannot find or fetch the packages with the ones it has.
+    if ! { announce && apt_install; }; then
         apt-get update -q >>"$log" 2>&1 || fail "apt-get update failed"
+        announce || fail "apt-get cannot install ${missing[*]}"
         apt_install || fail "apt-get install ${missing[*]} failed"
     fi
-fi
-
-# find_spec asks the import system without importing (or loading MPI), which is much faster
-# than one `pip show` per package.
-read -r -a pip_missing < <("$PYTHON" - "${PIP_PACKAGES[@]}" <<'PY'
-import importlib.util, sys
-print(" ".join(name for name in sys.argv[1:] if importlib.util.find_spec(name) is None))
-PY
-)
-if ((${#pip_missing[@]})); then
-    "$PYTHON" -m pip install -q "${pip_missing[@]}" >>"$log" 2>&1 || fail "pip install ${pip_missing[*]} failed"
 fi

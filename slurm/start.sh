@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Configure and start a real single-node Slurm on localhost: munged, MariaDB, slurmdbd (so that
-# sacct works), slurmctld and slurmd, with every piece of their state under one folder:
+# sacct works), slurmctld (which forks slurmscriptd) and slurmd, with every piece of their state
+# under one folder:
 #
 #   ${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}/
 #     etc/    slurm.conf, slurmdbd.conf, munge.key, mariadb password
@@ -13,7 +14,8 @@
 # Prints `export SLURM_CONF=...` on stdout (so `eval "$(slurm/start.sh)"` works) and returns once
 # `sinfo` shows the node idle. Running it again while everything runs only prints that line;
 # daemons that died are started again. Job state persists across stop/start, as on a real cluster,
-# so job ids keep growing and sacct stays unambiguous. slurm/stop.sh stops exactly these daemons.
+# so job ids keep growing and sacct stays unambiguous. slurm/stop.sh (`make stop`) stops exactly these
+# daemons; slurm/status.sh lists them.
 #
 # Ports: MOETRON_SLURM_PORT (default 6817) for slurmctld, then +1 slurmd, +2 slurmdbd, +3 MariaDB.
 # MOETRON_SLURM_CPUS declares more CPUs than the machine has (e.g. 4 ranks on 2 cores).
@@ -82,10 +84,9 @@ chmod 755 "$root" "$root"/{etc,run,log,spool,spool/munge}
 exec 9>"$root/run/start.lock"
 flock -w 120 9 || die "another slurm/start.sh holds $root/run/start.lock for over 120 s"
 
-daemons=(munged:munged.pid mariadbd:mariadb.pid slurmdbd:slurmdbd.pid slurmctld:slurmctld.pid slurmd:slurmd.pid)
 all_running=1
 any_running=0
-for entry in "${daemons[@]}"; do
+for entry in "${SLURM_DAEMONS[@]}"; do
     if alive "$root/run/${entry#*:}" "${entry%%:*}"; then any_running=1; else all_running=0; fi
 done
 if ((all_running)); then

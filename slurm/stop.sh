@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Stop the local Slurm that slurm/start.sh started in ${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}.
+# Stop the local Slurm that slurm/start.sh started in ${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}:
+# slurmd, slurmctld and its slurmscriptd, slurmdbd, mariadbd and munged (`make stop` runs this).
 #
 # Only processes named by the pid files in that folder are signalled, and only when the process
 # behind the pid is still the daemon it should be (a recycled pid is left alone). Jobs still
@@ -16,13 +17,13 @@ started_at=$(date +%s.%N)
 # shellcheck source=live_pid.sh
 source "$(dirname "${BASH_SOURCE[0]}")/live_pid.sh"
 
-# TERM the daemon, wait for it to go, KILL it after $3 seconds.
-stop_daemon() {
-    local pidfile="$run/$1" name="$2" patience="$3" pid waited=0
-    pid="$(live_pid "$pidfile" "$name")"
-    [[ -n "$pid" ]] || { rm -f "$pidfile"; return 0; }
+# stop_pid PID NAME PATIENCE: if PID is still the live NAME, TERM it, wait for it to go, KILL it after
+# PATIENCE seconds.
+stop_pid() {
+    local pid="$1" name="$2" patience="$3" waited=0
+    [[ -n "$pid" ]] && alive_as "$pid" "$name" || return 0
     kill -TERM "$pid" 2>/dev/null || true
-    while [[ -n "$(live_pid "$pidfile" "$name")" ]]; do
+    while alive_as "$pid" "$name"; do
         if ((waited >= patience * 10)); then
             echo "slurm/stop.sh: $name (pid $pid) ignored SIGTERM for ${patience}s; sending SIGKILL" >&2
             kill -KILL "$pid" 2>/dev/null || true
@@ -31,7 +32,12 @@ stop_daemon() {
         sleep 0.1
         waited=$((waited + 1))
     done
-    rm -f "$pidfile"
+}
+
+# stop_daemon PIDFILE NAME PATIENCE: stop_pid on the daemon its pid file names, then drop the file.
+stop_daemon() {
+    stop_pid "$(live_pid "$run/$1" "$2")" "$2" "$3"
+    rm -f "$run/$1"
 }
 
 if [[ ! -d "$run" ]]; then
@@ -53,7 +59,10 @@ if [[ -n "$(live_pid "$run/slurmctld.pid" slurmctld)" ]]; then
 fi
 
 stop_daemon slurmd.pid slurmd 10
+# slurmctld ends its slurmscriptd itself; should that one outlive it, it is stopped too.
+scriptd="$(scriptd_pid "$(live_pid "$run/slurmctld.pid" slurmctld)")"
 stop_daemon slurmctld.pid slurmctld 10
+stop_pid "$scriptd" slurmscriptd 5
 stop_daemon slurmdbd.pid slurmdbd 10
 stop_daemon mariadb.pid mariadbd 30
 stop_daemon munged.pid munged 10

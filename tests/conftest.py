@@ -2,12 +2,23 @@
 
 Triton's interpreter must be chosen before anything imports triton (see the kernel tests), so it is
 set here, at collection, whenever no CUDA device is present.
+
+Oracle tests compare moetron with an independent implementation from the optional [oracles] extra
+and reach it through `pytest.importorskip`: on a developer's machine without the extra they skip.
+Under CI (`CI=true`, which the CI runner sets) such a skip fails the test instead, naming the
+package, so that a broken install cannot turn the references off while the run stays green.
 """
 
 import os
+import re
 import subprocess
 
 import pytest
+
+# Top-level packages of the [oracles] extra (pyproject.toml).
+ORACLES = ("deepspeed", "megatron", "transformers")
+# pytest.importorskip's own reasons: "could not import 'a.b': …" and "module 'a.b' has __version__ …".
+_IMPORTORSKIP = re.compile(r"(?:could not import|module) '([\w.]+)'")
 
 
 def _has_cuda() -> bool:
@@ -21,6 +32,44 @@ def _has_cuda() -> bool:
 
 if not _has_cuda():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _missing_oracle(reason: str) -> str | None:
+    """The oracle package an importorskip `reason` names, or None for any other skip."""
+    found = _IMPORTORSKIP.search(reason)
+    top = found.group(1).split(".")[0] if found else None
+    return top if top in ORACLES else None
+
+
+def _fail_instead(report, reason: str) -> None:
+    """Turn a skipped `report` into a failure when it skipped for a missing oracle under CI."""
+    package = _missing_oracle(reason)
+    if package is None or not _under_ci():
+        return
+    report.outcome = "failed"
+    report.longrepr = (f"oracle package {package!r} is missing under CI=true ({reason.removeprefix('Skipped: ')}); "
+                       f"oracle tests may not skip in CI: install the [oracles] extra (make setup-test)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and call.excinfo is not None and call.excinfo.errisinstance(pytest.skip.Exception):
+        _fail_instead(report, str(call.excinfo.value))
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):
+    """A module-level importorskip skips the whole file at collection."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _fail_instead(report, str(report.longrepr[2]))
+    return report
 
 
 @pytest.fixture(autouse=True)

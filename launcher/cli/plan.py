@@ -40,6 +40,9 @@ def register(sub) -> None:
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (matmul rate, gloo collectives, per-block overhead) for --gpu cpu")
     p.add_argument("--ranks", type=int, default=4, help="ranks to calibrate collectives with")
+    p.add_argument("--max-spread", type=float, metavar="RATIO",
+                   help="refuse to store a calibration whose repeats differ by more than this (max/min; default "
+                        "1.5): raise it only where a rough profile is good enough, e.g. on a shared CI machine")
     p.set_defaults(run=run)
 
 
@@ -47,9 +50,9 @@ def run(args) -> int:
     from moetron.launcher.config import ConfigError
 
     if args.calibrate:
-        from moetron.launcher.perf.calibrate import calibrate
+        from moetron.launcher.perf.calibrate import MAX_SPREAD, calibrate
 
-        profile, path = calibrate(ranks=args.ranks)
+        profile, path = calibrate(ranks=args.ranks, max_spread=args.max_spread or MAX_SPREAD)
         print(json.dumps(profile.to_dict(), indent=1) if args.json else f"calibrated {profile.name}: written to {path}")
         if not args.config:
             return 0

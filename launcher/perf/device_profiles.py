@@ -2,9 +2,11 @@
 
 Every GPU profile is a data-sheet peak plus published measurements; `cpu` is measured on the
 machine it runs on (`moetron plan --calibrate`) and cached beside the CPU matmul peak
-($XDG_CACHE_HOME/moetron/plan_profile.json). Bandwidths are nccl-tests' *bus* bandwidth per GPU
-(what one rank sustains inside a collective, the same for every collective kind after the
-(n−1)/n or 2(n−1)/n factor), latencies the small-message time of one collective step.
+($XDG_CACHE_HOME/moetron/plan_profile.json). `peak_flops` follows PEAK_DEFINITION, the one peak
+both the planner's and training's MFU divide by (launcher/perf/mfu.py). Bandwidths are
+nccl-tests' *bus* bandwidth per GPU (what one rank sustains inside a collective, the same for
+every collective kind after the (n−1)/n or 2(n−1)/n factor), latencies the small-message time of
+one collective step.
 """
 
 from __future__ import annotations
@@ -18,11 +20,30 @@ from moetron.launcher.config import ConfigError
 
 GB = 1e9
 
+PEAK_DEFINITION = ("peak = the fastest dense matmul FLOP/s (no sparsity) of one rank's device in a training "
+                   "precision: a GPU's bf16 data-sheet figure; on CPU the faster of bf16 and fp32, measured by "
+                   "one rank alone at its thread count")
+
+# bf16 dense tensor-core peaks from NVIDIA's data sheets (SXM parts unless named), in TFLOP/s.
+# Longer names first: "H100 PCIe" must match before "H100".
+GPU_BF16_DENSE_TFLOPS = (
+    ("B200", 2250.0),
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100 NVL", 835.0),
+    ("H100", 989.0),
+    ("A100", 312.0),
+)
+
+
+def _datasheet(name: str) -> float:
+    return dict(GPU_BF16_DENSE_TFLOPS)[name] * 1e12
+
 
 @dataclass(frozen=True)
 class DeviceProfile:
     name: str
-    peak_flops: float  # bf16 dense, per device per second
+    peak_flops: float  # PEAK_DEFINITION: per device (rank), per second
     memory_bytes: float  # usable device memory
     matmul_efficiency: float  # sustained fraction of peak on a model's large GEMMs
     intra_bw: float  # bus bandwidth per rank inside a node, bytes/s
@@ -53,7 +74,7 @@ class DeviceProfile:
 # (one 400 Gb/s or 200 Gb/s NIC per GPU), as published by NVIDIA and cloud providers.
 PROFILES = {
     "H100": DeviceProfile(
-        "H100", 989e12, 80 * GB, 0.70, 360 * GB, 15e-6, 45 * GB, 25e-6,
+        "H100", _datasheet("H100"), 80 * GB, 0.70, 360 * GB, 15e-6, 45 * GB, 25e-6,
         hbm_bw=3.35e12,
         sources={"peak_flops": "NVIDIA H100 SXM data sheet: 989 TFLOP/s bf16 dense",
                  "memory_bytes": "H100 SXM data sheet: 80 GB HBM3",
@@ -63,7 +84,7 @@ PROFILES = {
                  "hbm_bw": "H100 SXM data sheet: 3.35 TB/s HBM3",
                  "latencies": "NCCL small-message all_reduce ~10-20 µs in a node, ~20-30 µs across nodes"}),
     "H200": DeviceProfile(
-        "H200", 989e12, 141 * GB, 0.72, 360 * GB, 15e-6, 45 * GB, 25e-6,
+        "H200", _datasheet("H200"), 141 * GB, 0.72, 360 * GB, 15e-6, 45 * GB, 25e-6,
         hbm_bw=4.8e12,
         sources={"peak_flops": "NVIDIA H200 data sheet: 989 TFLOP/s bf16 dense (H100's compute)",
                  "memory_bytes": "H200 data sheet: 141 GB HBM3e (4.8 TB/s)",
@@ -72,7 +93,7 @@ PROFILES = {
                  "hbm_bw": "H200 data sheet: 4.8 TB/s HBM3e",
                  "latencies": "as H100"}),
     "A100": DeviceProfile(
-        "A100", 312e12, 80 * GB, 0.75, 230 * GB, 12e-6, 22 * GB, 25e-6,
+        "A100", _datasheet("A100"), 80 * GB, 0.75, 230 * GB, 12e-6, 22 * GB, 25e-6,
         hbm_bw=2.0e12,
         sources={"peak_flops": "NVIDIA A100 SXM data sheet: 312 TFLOP/s bf16 dense",
                  "memory_bytes": "A100 80GB data sheet",
@@ -82,7 +103,7 @@ PROFILES = {
                  "hbm_bw": "A100 80GB SXM data sheet: 2.0 TB/s HBM2e",
                  "latencies": "NCCL small-message all_reduce"}),
     "B200": DeviceProfile(
-        "B200", 2250e12, 180 * GB, 0.65, 720 * GB, 15e-6, 45 * GB, 25e-6,
+        "B200", _datasheet("B200"), 180 * GB, 0.65, 720 * GB, 15e-6, 45 * GB, 25e-6,
         hbm_bw=8.0e12,
         sources={"peak_flops": "NVIDIA HGX B200 data sheet: 2.25 PFLOP/s bf16 dense per GPU",
                  "memory_bytes": "HGX B200: 180 GB HBM3e per GPU",

@@ -6,10 +6,12 @@ Two numerators, side by side:
 They differ when the run does other work than the accounting assumes (capacity drops, a kernel
 that a formula misses); above 5% the run says so.
 
-Peaks: a table of bf16 dense (no sparsity) peaks for data-center GPUs, `train.peak_tflops` to
-override it, and on CPU a matmul peak measured once in the run's precision and cached under
-$XDG_CACHE_HOME/moetron (default ~/.cache/moetron), keyed by CPU model, thread count, dtype and
-torch version.
+The denominator is the one peak `moetron plan` uses too (`device_profiles.PEAK_DEFINITION`): on a
+GPU the bf16 dense data-sheet peak, `train.peak_tflops` to override it; on CPU the best dense
+matmul rate of bf16 and fp32 at the rank's thread count, whatever precision the run trains in.
+It is measured once and cached under $XDG_CACHE_HOME/moetron (default ~/.cache/moetron), keyed
+by CPU model, thread count, dtype and torch version; `moetron plan --calibrate` measures it again
+for one-thread ranks and stores it there, beside the planner's profile.
 """
 
 from __future__ import annotations
@@ -20,32 +22,26 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from moetron.launcher.perf.device_profiles import GPU_BF16_DENSE_TFLOPS
 from moetron.launcher.perf.flops import accounting, flops_per_token
 from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig
 
-# bf16 dense tensor-core peaks from NVIDIA's data sheets (SXM parts unless named), in TFLOP/s.
-# Longer names first: "H100 PCIe" must match before "H100".
-GPU_BF16_DENSE_TFLOPS = (
-    ("B200", 2250.0),
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-)
 # Measured MFU may differ from the analytic one by this much before the run warns.
 MFU_TOLERANCE = 0.05
 # Shapes (M, K, N) timed for the CPU peak: square, and a token-batch × d_model × d_ff projection.
 CPU_PEAK_SHAPES = ((2048, 2048, 2048), (4096, 256, 1024), (4096, 1024, 4096))
 # Larger shapes are skipped once one product would take longer than this at the rate seen so far.
 MAX_SECONDS_PER_MATMUL = 1.0
+# The training precisions whose fastest matmul is a CPU's peak: bf16 where the CPU runs it natively
+# (AVX512-BF16, AMX), fp32 where bf16 is emulated (~1 GFLOP/s) and would put MFU above 100%.
+PEAK_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -92,47 +88,86 @@ def time_matmul(m: int, k: int, n: int, dtype: torch.dtype, *, seconds: float = 
     return 2.0 * m * k * n / best
 
 
-def cpu_matmul_peak(dtype: torch.dtype, *, directory: Path | None = None,
-                    measure: Callable[..., float] = time_matmul) -> tuple[float, bool]:
-    """(FLOP/s, came from the cache): the best of CPU_PEAK_SHAPES at the current thread count,
-    measured on first use and cached. Other load on the machine lowers it (and so raises MFU);
-    delete the cache file to measure again on a quiet machine."""
-    path = (directory or cache_dir()) / "cpu_matmul_peak.json"
-    key = f"{_cpu_name()} | {torch.get_num_threads()} threads | {dtype} | torch {torch.__version__}"
-    cached: dict = {}
+def _peak_key(dtype, threads: int) -> str:
+    return f"{_cpu_name()} | {threads} threads | {dtype} | torch {torch.__version__}"
+
+
+def _peak_file(directory: Path | None) -> Path:
+    return (directory or cache_dir()) / "cpu_matmul_peak.json"
+
+
+def _read_peaks(path: Path) -> dict:
     with contextlib.suppress(OSError, ValueError):
-        cached = json.loads(path.read_text())
-    if key in cached:
-        return float(cached[key]), True
-    peak = 0.0
-    for m, k, n in sorted(CPU_PEAK_SHAPES, key=lambda shape: math.prod(shape)):
-        if peak and 2.0 * m * k * n / peak > MAX_SECONDS_PER_MATMUL:
-            break  # a slow dtype: larger shapes would take minutes and change nothing
-        peak = max(peak, measure(m, k, n, dtype))
-    cached[key] = peak
+        return json.loads(path.read_text())
+    return {}
+
+
+def store_cpu_matmul_peak(peaks: dict, *, threads: int, directory: Path | None = None) -> Path:
+    """Write {dtype (or its str): FLOP/s} for `threads` threads into the cache cpu_matmul_peak reads,
+    replacing what was there for them (`moetron plan --calibrate` measured them again)."""
+    path = _peak_file(directory)
+    cached = _read_peaks(path)
+    cached.update({_peak_key(dtype, threads): float(flops) for dtype, flops in peaks.items()})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cached, indent=1))
     tmp.replace(path)
+    return path
+
+
+def cpu_matmul_peak(dtype: torch.dtype, *, directory: Path | None = None,
+                    measure: Callable[..., float] = time_matmul) -> tuple[float, bool]:
+    """(FLOP/s, came from the cache): the best of CPU_PEAK_SHAPES at the current thread count,
+    measured on first use and cached. Other load on the machine lowers it (and so raises MFU);
+    `moetron plan --calibrate` measures it again (one thread), or delete the cache file."""
+    threads = torch.get_num_threads()
+    cached = _read_peaks(_peak_file(directory))
+    if _peak_key(dtype, threads) in cached:
+        return float(cached[_peak_key(dtype, threads)]), True
+    peak = max(sweep_matmul_peak(dtype, measure).values())
+    store_cpu_matmul_peak({dtype: peak}, threads=threads, directory=directory)
     return peak, False
+
+
+def sweep_matmul_peak(dtype: torch.dtype, measure: Callable[..., float] = time_matmul) -> dict[tuple, float]:
+    """{(m, k, n): FLOP/s} of CPU_PEAK_SHAPES, smallest first, skipping those one product of which
+    would take over MAX_SECONDS_PER_MATMUL at the best rate seen so far."""
+    rates: dict[tuple, float] = {}
+    for m, k, n in sorted(CPU_PEAK_SHAPES, key=lambda shape: math.prod(shape)):
+        if rates and 2.0 * m * k * n / max(rates.values()) > MAX_SECONDS_PER_MATMUL:
+            break  # a slow dtype: larger shapes would take minutes and change nothing
+        rates[(m, k, n)] = measure(m, k, n, dtype)
+    return rates
+
+
+def cpu_peak(*, directory: Path | None = None, measure: Callable[..., float] = time_matmul) -> Peak:
+    """This CPU's peak by PEAK_DEFINITION at the current thread count: the faster of PEAK_DTYPES."""
+    rates = {dtype: cpu_matmul_peak(dtype, directory=directory, measure=measure) for dtype in PEAK_DTYPES}
+    best = max(rates, key=lambda dtype: rates[dtype][0])
+    each = ", ".join(f"{str(d).removeprefix('torch.')} {flops / 1e9:.3g}" for d, (flops, _) in rates.items())
+    where = "cached" if all(cached for _, cached in rates.values()) else "measured now"
+    return Peak(rates[best][0], f"CPU dense matmul at {torch.get_num_threads()} threads, the faster of "
+                                f"{each} GFLOP/s ({where}, {_peak_file(directory)})")
+
+
+def gpu_peak(device_name: str) -> Peak:
+    """A GPU's peak by PEAK_DEFINITION: its data sheet's bf16 dense FLOP/s."""
+    tflops = gpu_peak_tflops(device_name)
+    if tflops is None:
+        raise ValueError(f"no bf16 peak known for {device_name!r}; set train.peak_tflops")
+    return Peak(tflops * 1e12, f"{device_name} bf16 dense peak (data sheet)")
 
 
 def device_peak(device: torch.device, bf16: bool, override_tflops: float = 0.0, *,
                 directory: Path | None = None) -> Peak:
-    """The peak MFU is measured against: the override, the GPU table, or the measured CPU matmul."""
+    """The peak MFU is measured against (PEAK_DEFINITION): the override, the GPU's data sheet, or
+    this CPU's measured one. The same whatever the run's precision (`bf16` is not consulted): MFU
+    compares runs, and precisions, against one figure of the device."""
     if override_tflops > 0:
         return Peak(override_tflops * 1e12, f"train.peak_tflops = {override_tflops:g}")
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tflops = gpu_peak_tflops(name)
-        if tflops is None:
-            raise ValueError(f"no bf16 peak known for {name!r}; set train.peak_tflops")
-        return Peak(tflops * 1e12, f"{name} bf16 dense peak (data sheet)")
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    flops, cached = cpu_matmul_peak(dtype, directory=directory)
-    where = "cached" if cached else "measured now"
-    return Peak(flops, f"CPU {str(dtype).removeprefix('torch.')} matmul peak, {torch.get_num_threads()} threads "
-                       f"({where}, {cache_dir() if directory is None else directory})")
+        return gpu_peak(torch.cuda.get_device_name(device))
+    return cpu_peak(directory=directory)
 
 
 def memory_gib(device: torch.device) -> float:

@@ -44,9 +44,17 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     assert len(report["kernel_verdicts"]) == sum(
         ("ratio_vs_dense" in r) + ("ratio_vs_grouped_mm" in r) + ("ratio_vs_sdpa_flash" in r) for r in kernels["results"])
     train = report["train"]["train_torch"]
-    # The FLOP counter's count of what ran agrees with the analytic 6N + attention formula.
-    assert train["flops_per_token_counted"] == pytest.approx(train["flops_per_token_analytic"], rel=0.02)
-    assert train["tokens_per_s"] == pytest.approx(train["batch"] * train["seq_len"] / train["step_time_s_median"])
+    # tiny.yaml's model FLOPs per token at 64 tokens, by hand: per layer W_q, W_k, W_v, W_o on D = 256
+    # with 8 query and 4 KV heads of 32 (196,608), the router (2,048) and 2 of 8 SwiGLU experts of
+    # 3 × 256 × 512 (786,432); 4 layers and the head (81,920): 4,022,272 active weights, 6 FLOPs each,
+    # plus attention over the full square 12·4·8·32·64 = 786,432: 24,920,064.
+    assert (train["batch"], train["seq_len"]) == (2, 64)
+    assert train["flops_per_token_analytic"] == 24_920_064
+    # The FLOP counter's count of what ran agrees with it.
+    assert train["flops_per_token_counted"] == pytest.approx(24_920_064, rel=0.02)
+    # 2 × 64 = 128 tokens a step; MFU is their model FLOPs per second over the peak.
+    assert train["tokens_per_s"] == pytest.approx(128 / train["step_time_s_median"], rel=1e-9)
+    assert train["mfu"] == pytest.approx(train["tokens_per_s"] * 24_920_064 / (train["peak_tflops"] * 1e12), rel=1e-9)
     md = (out / "gpu_check.md").read_text()
     assert "| torch paths (SDPA, torch._grouped_mm), eager |" in md and "Kernel targets:" in md
     assert "==== kernels (exit 0" in (out / "logs.txt").read_text()

@@ -1,5 +1,6 @@
 """Config loading: presets, typed overrides, one-line errors with exit status 2."""
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -72,8 +73,18 @@ def test_cli_reports_one_line_and_exit_status_2(tmp_path):
         assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_defaults_are_a_valid_config():
-    Config()  # every section's defaults must build
+def test_defaults_are_a_valid_config(tmp_path):
+    """A preset that sets nothing is the defaults, through the one validation pass; and the defaults
+    README.md states hold."""
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    cfg = load_config(tmp_path / "empty.yaml")
+    assert cfg == dataclasses.replace(Config(), train=dataclasses.replace(Config().train, name="empty"))
+    assert (cfg.data.source, cfg.data.tokenizer) == ("stdlib", "byte")  # the interpreter's own source, as bytes
+    assert cfg.parallel.dp_mode == "fsdp"
+    assert cfg.model.moe.aux_loss_type == "micro_batch"
+    assert cfg.train.max_skipped_steps == 5
+    assert cfg.train.checkpoint.on_error == "stop"
+    assert cfg.train.lr_decay_steps is None  # decay over train.steps of the first start
 
 
 def test_base_presets_merge_section_by_section(tmp_path):

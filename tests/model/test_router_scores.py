@@ -160,18 +160,28 @@ def test_group_limited_routing_stays_inside_the_best_groups():
 
 
 def test_counts_accumulate_only_while_training():
-    router = Router(D, MoEConfig(num_experts=E, top_k=4, score="sigmoid", bias_update_rate=1e-3))
+    """Routes are counted per expert by training forwards only, and one update moves each bias by
+    the rate toward balance: up where the load is under the mean, down where over, not at all where
+    equal. Loads and biases worked out by hand on 4 experts, top-2."""
+    router = Router(4, MoEConfig(num_experts=4, top_k=2, score="sigmoid", bias_update_rate=1e-3))
+    with torch.no_grad():
+        router.gate.weight.copy_(torch.eye(4))  # the score of expert e is sigmoid(x[e])
     router.expert_bias_E.zero_()
-    router(torch.randn(T, D))
-    router(torch.randn(T, D))
-    assert router.tokens_per_expert_E.sum() == 2 * T * 4
+    # Token 0 picks experts {0, 1}, token 1 {0, 2}, token 2 {2, 3}: loads [2, 1, 2, 1] per forward.
+    x_TD = torch.tensor([[3.0, 2.0, 0.0, 0.0], [3.0, 0.0, 2.0, 0.0], [0.0, 0.0, 3.0, 2.0]])
+    router(x_TD)
+    router(x_TD)
+    assert router.tokens_per_expert_E.tolist() == [4.0, 2.0, 4.0, 2.0]
     router.eval()
-    router(torch.randn(T, D))
-    assert router.tokens_per_expert_E.sum() == 2 * T * 4
-    load_E = router.tokens_per_expert_E.clone()
-    router.update_bias(load_E)
-    expected = 1e-3 * torch.sign(load_E.mean() - load_E)
-    assert torch.equal(router.expert_bias_E, expected) and router.routed_E == []
+    router(x_TD)
+    assert router.tokens_per_expert_E.tolist() == [4.0, 2.0, 4.0, 2.0]  # evaluation counts nothing
+    # Mean load 3: experts 0 and 2 are over it (bias −1e-3), 1 and 3 under it (+1e-3).
+    router.update_bias(router.tokens_per_expert_E)
+    assert router.expert_bias_E.tolist() == pytest.approx([-1e-3, 1e-3, -1e-3, 1e-3], rel=0, abs=1e-10)
+    assert router.routed_E == []
+    # Loads [6, 0, 3, 3], mean 3: expert 0 down again, 1 up again, 2 and 3 (at the mean) stay.
+    router.update_bias(torch.tensor([6.0, 0.0, 3.0, 3.0]))
+    assert router.expert_bias_E.tolist() == pytest.approx([-2e-3, 2e-3, -1e-3, 1e-3], rel=0, abs=1e-10)
 
 
 BIAS_UPDATE = """

@@ -74,9 +74,8 @@ def test_predicted_weights_grads_and_optimizer_equal_a_real_model():
 
 # tiny.yaml's parameters, by hand: per block two RMSNorm gains, W_q (8 heads of 32), W_k and W_v
 # (4 heads each) and W_o on D = 256, the router (8 × 256) and 8 SwiGLU experts (3 matrices of
-# 256 × 512); then 4 blocks, the embedding, the final norm and the untied head (V = 320).
-TINY_BLOCK = 2 * 256 + (8 * 32 + 2 * 4 * 32) * 256 + 256 * 256 + 8 * 256 + 3 * 8 * 256 * 512  # 3,344,896
-TINY_PARAMS = 4 * TINY_BLOCK + 320 * 256 + 256 + 320 * 256  # 13,543,680
+# 256 × 512): 512 + 131,072 + 65,536 + 2,048 + 3,145,728 = 3,344,896; then 4 blocks, the embedding
+# (320 × 256), the final norm (256) and the untied head (320 × 256): 13,543,680.
 
 
 def test_per_kind_bandwidth_fsdp_copies_and_oversubscription_enter_the_time_as_stated():
@@ -90,30 +89,30 @@ def test_per_kind_bandwidth_fsdp_copies_and_oversubscription_enter_the_time_as_s
     fsdp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4"], world_size=4).parallel)
     plain, slow = (predict(cfg, fsdp, DeviceProfile(**{**base.to_dict(), "kind_bw": kind}), gpus_per_node=4)
                    for kind in ({}, {"reduce_scatter": 0.5}))
-    # Per rank, FSDP over 4 ranks reduce-scatters every fp32 gradient once (the full input) and
-    # gathers every fp32 parameter twice (forward, then again for backward).
-    scattered = TINY_PARAMS * 4
-    gathered = 2 * TINY_PARAMS * 4
-    # A reduce-scatter over 4 ranks puts 3/4 of its input on the wire: at 1 GB/s, then at 0.5 GB/s.
-    assert slow.times["comm_total"] - plain.times["comm_total"] == pytest.approx(
-        scattered * 3 / 4 / 0.5e9 - scattered * 3 / 4 / 1e9)
+    # Per rank, FSDP over 4 ranks reduce-scatters every fp32 gradient once (the full input):
+    # 13,543,680 × 4 B = 54,174,720 B, and gathers every fp32 parameter twice (forward, then again
+    # for backward): 108,349,440 B.
+    # A reduce-scatter over 4 ranks puts 3/4 of its input on the wire, 40,631,040 B: 0.04063104 s
+    # at 1 GB/s, 0.08126208 s at 0.5 GB/s, 0.04063104 s more.
+    assert slow.times["comm_total"] - plain.times["comm_total"] == pytest.approx(0.04063104, rel=1e-9)
     ddp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.dp=4", "parallel.dp_mode=ddp"], world_size=4).parallel)
     no_copies = predict(cfg, ddp, base, gpus_per_node=4).times["memory_bound"]
     # The two differ by FSDP's copies (gathered bytes read + written, scattered bytes packed and
-    # divided) and by the optimizer's pass, which reads and writes what the rank holds: weights,
-    # grads and both AdamW moments, 4 + 4 + 8 bytes per parameter, all of them under DDP and a
-    # quarter under FSDP.
-    copies = 2 * gathered + 4 * scattered
-    optimizer_pass_saved = 2 * (4 + 4 + 8) * TINY_PARAMS * (1 - 1 / 4)
-    assert plain.times["memory_bound"] - no_copies == pytest.approx((copies - optimizer_pass_saved) / 1e10)
+    # divided): 2 × 108,349,440 + 4 × 54,174,720 = 433,397,760 B more; and by the optimizer's pass,
+    # which reads and writes what the rank holds: weights, grads and both AdamW moments, 4 + 4 + 8
+    # bytes per parameter, all of them under DDP and a quarter under FSDP: 2 × 16 × 13,543,680 × 3/4
+    # = 325,048,320 B less. Net 108,349,440 B at 10 GB/s: 0.010834944 s.
+    assert plain.times["memory_bound"] - no_copies == pytest.approx(0.010834944, rel=1e-9)
     pp = Layout(load_config(CONFIGS / "tiny.yaml", ["parallel.pp=2", "parallel.microbatches=2"], world_size=2).parallel)
     one, two = (predict(cfg, pp, DeviceProfile(**{**base.to_dict(), "oversubscription": o}), gpus_per_node=2)
                 for o in (1.0, 2.0))
     # 1F1B over 2 stages and 2 micro-batches idles (2 - 1) / 2 of its busy time; half that with 2 ranks a core.
     assert one.bubble == pytest.approx(0.5) and two.bubble == pytest.approx(0.25)
-    assert one.step_s / 1.5 == pytest.approx(two.step_s / 1.25)  # the same busy time
-    assert one.times["bubble"] == pytest.approx(one.step_s * 0.5 / 1.5)
-    assert two.times["bubble"] == pytest.approx(two.step_s * 0.25 / 1.25)
+    # So a step is 1.5 busy times at oversubscription 1 and 1.25 at 2; the busy time is the same,
+    # and the bubble is the step less the busy time: 1/3 of the step, then 1/5 of it.
+    assert one.step_s / 1.5 == pytest.approx(two.step_s / 1.25)
+    assert one.times["bubble"] == pytest.approx(one.step_s / 3)
+    assert two.times["bubble"] == pytest.approx(two.step_s / 5)
 
 
 def test_plan_cli_json_and_overrides(tmp_path):
@@ -203,18 +202,20 @@ def test_expert_imbalance_scales_only_the_routed_rows_of_expert_parallel_layouts
     # its K = 2 routes keeps the dispatched row and the expert's output row (D = 256 each) and
     # SwiGLU's four hidden tensors (gate, up, silu(gate), product: 4 × 512); twice the routes
     # (imbalance 2) keep that again, in each of the 4 MoE layers.
-    tokens = 16 // 4 * 256
-    routed = 2 * (2 * 256 + 4 * 512)  # 5,120 elements per token and layer
-    assert two["activations"] - one["activations"] == pytest.approx(4 * routed * tokens * 4, rel=1e-6)
-    # The all-to-all receive buffer holds the K routes' rows of D fp32; twice the routes, twice that.
-    assert two["buffers"] - one["buffers"] == pytest.approx(tokens * 2 * 256 * 4)
+    # 1,024 tokens × 2 routes × (2 × 256 + 4 × 512 = 2,560) = 5,242,880 elements per layer; × 4 layers
+    # × 4 B = 83,886,080 B more.
+    assert two["activations"] - one["activations"] == pytest.approx(83_886_080, rel=1e-6)
+    # The all-to-all receive buffer holds the K routes' rows of D fp32, 1,024 × 2 × 256 × 4 B =
+    # 2,097,152 B; twice the routes, twice that.
+    assert two["buffers"] - one["buffers"] == pytest.approx(2_097_152, rel=1e-9)
     capped = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4",
                                                  "parallel.ep=4", "model.moe.capacity_factor=1.25"], world_size=4)
     assert predict_memory(capped, layout, expert_imbalance=2.0) == predict_memory(capped, layout,
                                                                                    expert_imbalance=1.25)
     capped_one = predict_memory(capped, layout)
+    # Capacity 1.25 lets the busiest rank take a quarter more routes than the mean: 83,886,080 / 4 B.
     assert predict_memory(capped, layout, expert_imbalance=2.0)["activations"] - capped_one["activations"] == (
-        pytest.approx(0.25 * 4 * routed * tokens * 4, rel=1e-6))
+        pytest.approx(20_971_520, rel=1e-6))
     dp = load_config(CONFIGS / "tiny.yaml", ["train.precision=fp32", "train.batch_size=16", "parallel.dp=4"],
                      world_size=4)
     assert predict_memory(dp, Layout(dp.parallel), expert_imbalance=2.0) == predict_memory(dp, Layout(dp.parallel))

@@ -19,7 +19,7 @@ from moetron.launcher.train.dashboards import (
     custom_scalars_layout,
     expert_bias_figure,
     expert_load_figure,
-    figure_png,
+    figure_rgb,
     load_ratios,
 )
 from moetron.launcher.train.trainer import train
@@ -32,6 +32,12 @@ TINY_RUN = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_
             "model.moe.num_experts=4", "model.moe.d_expert=32", "train.seq_len=32", "train.batch_size=2",
             "train.steps=4", "train.log_every=2", "train.eval_every=4", "train.eval_batches=1",
             "train.warmup_steps=1", "train.threads=1", f"train.peak_tflops={PEAK_TFLOPS}", "train.name=dash"]
+
+# TINY_RUN's model FLOPs per token, by hand: per layer W_q, W_k, W_v, W_o on D = 32 with 4 query and
+# 2 KV heads of 8: 2·32·32 + 2·32·16 = 3,072; the router 32·4 = 128; 2 of 4 SwiGLU experts of 3 × 32
+# × 32: 6,144. Two layers: 18,688, plus the head 32 × 320 = 10,240: 28,928 active weights, 6 FLOPs
+# each = 173,568; attention scores over the full 32 × 32 square, 12·L·H·Dh·S = 12·2·4·8·32 = 24,576.
+TINY_RUN_FLOPS_PER_TOKEN = 198_144
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +70,10 @@ def test_scalars_are_logged_with_the_metrics_values(run):
     for event, record in zip(acc.Scalars("loss"), [r for r in records if "loss" in r]):
         assert event.value == pytest.approx(record["loss"], rel=1e-6)
     for record in logged:
-        assert record["mfu"] == pytest.approx(record["tflops_per_device"] / PEAK_TFLOPS, rel=1e-9)
+        # TINY_RUN_FLOPS_PER_TOKEN model FLOPs per token over the 1e9 FLOP/s peak.
+        assert record["tflops_per_device"] == pytest.approx(TINY_RUN_FLOPS_PER_TOKEN * record["tokens_per_s"] / 1e12,
+                                                            rel=1e-9)
+        assert record["mfu"] == pytest.approx(TINY_RUN_FLOPS_PER_TOKEN * record["tokens_per_s"] / 1e9, rel=1e-9)
         # Dropless routing: the FLOPs counted on the first step are the analytic ones.
         assert record["mfu_measured"] == pytest.approx(record["mfu"], rel=1e-9)
         assert record["memory_gib"] > 0
@@ -74,12 +83,21 @@ def test_expert_load_image_histograms_text_and_layout(run):
     path, _ = run
     acc = events(path)
     image = acc.Images("moe/expert_load")[-1]
-    figure = expert_load_figure(np.ones((2, 4)), [0, 1], step=0)  # 2 MoE layers × 4 experts
-    assert (image.height, image.width) == figure_png(figure)[1:]
+    counts_LE = []
     for layer in (0, 1):
         hist = acc.Histograms(f"moe/expert_load/layer_{layer}")[-1].histogram_value
         assert list(hist.bucket_limit) == [0.5, 1.5, 2.5, 3.5]
         assert sum(hist.bucket) == 2 * 32 * 2  # every token's two routes of the last micro-batch
+        counts_LE.append(list(hist.bucket))
+    # The image is, pixel for pixel, the heatmap of the loads the histograms hold (PNG is lossless).
+    import io
+
+    from PIL import Image
+
+    pixels = np.asarray(Image.open(io.BytesIO(image.encoded_image_string)).convert("RGB"))
+    want = figure_rgb(expert_load_figure(load_ratios(np.array(counts_LE)), [0, 1], step=image.step))
+    assert pixels.shape == want.shape == (image.height, image.width, 3)
+    assert np.array_equal(pixels, want)
     tensors = acc.Tags()["tensors"]
     assert {"config/text_summary", "accounting/text_summary", "custom_scalars__config__"} <= set(tensors)
     text = acc.Tensors("accounting/text_summary")[0].tensor_proto.string_val[0].decode()
@@ -180,11 +198,20 @@ def test_meter_warns_when_counted_and_analytic_disagree():
     assert meter.window(tokens=0, seconds=0.0) == {}
 
 
-def test_expert_load_heatmap_has_axes_scale_and_true_colours():
-    import io
+def test_meter_figures_from_tokens_and_seconds():
+    """A window of 640 tokens in 2 s on 2 devices of 2e12 FLOP/s: 320 tokens/s, 160 per device,
+    each of TINY_RUN_FLOPS_PER_TOKEN model FLOPs: 3.170304e7 FLOP/s per device, MFU 1.585152e-5."""
+    model_cfg = load_config(TINY, TINY_RUN).model
+    meter = MfuMeter(model_cfg, 32, Peak(2e12, "test"), world_size=2)
+    assert meter.window(tokens=640, seconds=2.0) == {
+        "tokens_per_s": 320.0,
+        "tflops_per_device": pytest.approx(3.170304e-5, rel=1e-12),
+        "mfu": pytest.approx(1.585152e-5, rel=1e-12),
+    }
 
+
+def test_expert_load_heatmap_has_axes_scale_and_true_colours():
     from matplotlib import colormaps
-    from PIL import Image
 
     ratios = load_ratios(np.array([[10, 10, 10, 10], [40, 0, 0, 0]]))
     assert ratios.tolist() == [[1, 1, 1, 1], [4, 0, 0, 0]]
@@ -194,11 +221,9 @@ def test_expert_load_heatmap_has_axes_scale_and_true_colours():
     assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "3"]  # the model's layer numbers
     assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2", "3"]
     assert "mean" in bar.get_ylabel() and bar.get_ylim() == (0.0, 2.0)
-    png, H, W = figure_png(fig)
-    rgb = np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
-    assert rgb.shape == (H, W, 3)
+    rgb = figure_rgb(fig).astype(int)  # the pixels the dashboards write
+    H = rgb.shape[0]
     # Each cell's centre, located through the axes' own transform, has the colour map's colour.
-    fig.canvas.draw()
     for (row, col), ratio in (((0, 0), 1.0), ((1, 0), 2.0), ((1, 2), 0.0)):
         x, y = ax.transData.transform((col, row))
         want = np.array(colormaps["viridis"](ratio / 2.0)[:3]) * 255
