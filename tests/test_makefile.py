@@ -20,7 +20,10 @@ SLURM = ROOT / "slurm"
 
 def dry_run(*targets: str) -> list[str]:
     """The commands `make -n -B` would run for `targets` (every target out of date), one per line."""
-    out = subprocess.run(["make", "-n", "-B", *targets], check=False, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # Under `make test` the parent make's MAKELEVEL would add "Entering directory" lines.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
+    cmd = ["make", "--no-print-directory", "-n", "-B", *targets]
+    out = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return [line for line in out.stdout.splitlines() if line and not line.startswith("#")]
 

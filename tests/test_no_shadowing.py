@@ -31,14 +31,16 @@ def import_names() -> set[str]:
 
 def shadowed(folder: Path, names: set[str]) -> dict[str, str]:
     """{name: what in `folder` it resolves to} for each name that Python, started with `folder`
-    first on its path, would import from `folder` (the import system's own rule, PathFinder)."""
-    rest = [p for p in sys.path if p and Path(p).resolve() != folder.resolve()]
+    first on its path, would import from `folder` (the import system's own rule, PathFinder).
+
+    Whatever `folder` holds as a regular module or package is taken before the rest of the path; a
+    namespace portion (origin None) is not. Only `folder` itself is searched, so a virtual
+    environment inside it (.venv/lib/.../site-packages) is not mistaken for the folder's own files.
+    """
     out = {}
     for name in sorted(names):
-        spec = PathFinder.find_spec(name, [str(folder), *rest])
-        if spec is None:
-            continue
-        if spec.origin and Path(spec.origin).resolve().is_relative_to(folder.resolve()):
+        spec = PathFinder.find_spec(name, [str(folder)])
+        if spec is not None and spec.origin is not None:
             out[name] = spec.origin
     return out
 
