@@ -1,7 +1,10 @@
 """Causal self-attention: MHA, GQA and MQA, with RoPE, ALiBi or T5's bias and a KV cache for decoding.
 
 Legend: B batch, S query positions, L key positions (cache length), D model dim,
-H query heads, G key/value heads (H % G == 0), Dh head dim.
+H query heads, G key/value heads (H % G == 0), Dh head dim, X = H·Dh and Y = G·Dh the q and k widths.
+
+Queries and keys may be RMS-normalized before RoPE (qk-norm): per head (Qwen3) or over the whole
+projection (OLMoE). Being applied to q and k themselves, it holds for every backend and the cache.
 
 Backends all compute the same thing: "eager" is the plain reference (scores materialized,
 softmax in fp32), "sdpa" is torch's scaled_dot_product_attention, "triton" the flash kernel.
@@ -88,7 +91,8 @@ class Attention(nn.Module):
     """Multi-head causal self-attention with `n_kv_heads` key/value heads."""
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
-                 backend: str = "sdpa", bias: bool = False, dropout: float = 0.0):
+                 backend: str = "sdpa", bias: bool = False, dropout: float = 0.0,
+                 qk_norm: str = "none", norm_eps: float = 1e-5):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.backend = backend
@@ -100,6 +104,13 @@ class Attention(nn.Module):
         self.wv = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        # RMSNorm of q and k before RoPE (ModelConfig.qk_norm): per head over Dh, or over the whole
+        # projection (which a tensor-parallel shard of the heads cannot compute alone).
+        self.qk_norm = qk_norm
+        whole = qk_norm == "projection"
+        q_width, k_width = (n_heads * head_dim, n_kv_heads * head_dim) if whole else (head_dim, head_dim)
+        self.q_norm = nn.RMSNorm(q_width, eps=norm_eps) if qk_norm != "none" else None
+        self.k_norm = nn.RMSNorm(k_width, eps=norm_eps) if qk_norm != "none" else None
         # kv_exchange (context parallelism): gathers the keys and values of every position of the
         # sequences, in global order. None: the S local positions are the whole sequence.
         self.hooks = ParallelHooks()
@@ -125,9 +136,7 @@ class Attention(nn.Module):
         and keys are the same aligned square.
         """
         B, S, _ = x_BSD.shape
-        # Heads are derived from the projection width so tensor parallelism can shard it.
-        q_BHSDh = self.wq(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
-        k_BGSDh = self.wk(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
+        q_BHSDh, k_BGSDh = self._queries_keys(x_BSD)
         v_BGSDh = self.wv(x_BSD).view(B, S, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q_BHSDh, k_BGSDh = apply_rope(q_BHSDh, *rope), apply_rope(k_BGSDh, *rope)
@@ -140,6 +149,18 @@ class Attention(nn.Module):
             return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
         o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, t5_bias)
         return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
+
+    def _queries_keys(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Projected (and qk-normed) queries (B, H, S, Dh) and keys (B, G, S, Dh), before RoPE."""
+        B, S, _ = x_BSD.shape
+        q_BSX, k_BSY = self.wq(x_BSD), self.wk(x_BSD)
+        if self.qk_norm == "projection":
+            q_BSX, k_BSY = self.q_norm(q_BSX), self.k_norm(k_BSY)
+        # Heads are derived from the projection width so tensor parallelism can shard it.
+        q_BSHDh, k_BSGDh = q_BSX.view(B, S, -1, self.head_dim), k_BSY.view(B, S, -1, self.head_dim)
+        if self.qk_norm == "head":
+            q_BSHDh, k_BSGDh = self.q_norm(q_BSHDh), self.k_norm(k_BSGDh)
+        return q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2)
 
     def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, t5_bias=None) -> torch.Tensor:
         S, L = q_BHSDh.shape[2], k_BGLDh.shape[2]
@@ -173,6 +194,9 @@ class Attention(nn.Module):
             enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
 
     def init_weights(self, std: float, out_std: float) -> None:
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
         for lin, s in ((self.wq, std), (self.wk, std), (self.wv, std), (self.wo, out_std)):
             nn.init.normal_(lin.weight, std=s)
             if lin.bias is not None:

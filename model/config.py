@@ -138,6 +138,10 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: Literal["eager", "sdpa", "triton"] = "sdpa"
+    # RMSNorm on queries and keys before RoPE (always RMSNorm, eps norm_eps): "head" normalizes each
+    # head over Dh with one Dh-sized gain per q and k (Qwen3), "projection" the whole q (H·Dh) and
+    # k (G·Dh) projections with gains of those sizes (OLMo, OLMoE).
+    qk_norm: Literal["none", "head", "projection"] = "none"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property

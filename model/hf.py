@@ -1,4 +1,9 @@
-"""Hugging Face interop for the Mixtral layout: config.json ↔ ModelConfig, safetensors ↔ Decoder.
+"""Hugging Face interop for Mixtral, Qwen3-MoE and OLMoE: config.json ↔ ModelConfig, safetensors ↔ Decoder.
+
+The two later families' configs are mapped in model/hf_families.py; their tensors are named as
+Mixtral's below, plus self_attn.q_norm / k_norm (their qk-norm gains), with experts named
+mlp.experts.{e}.gate_proj / up_proj / down_proj and Qwen3's dense FFNs mlp.gate_proj / up_proj /
+down_proj. The fused layout of transformers 5.x modules (below) is the same for all three.
 
 Legend: E experts, D model dim, F expert hidden dim.
 
@@ -27,6 +32,16 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.hf_families import (
+    ARCHITECTURES,
+    BY_QK_NORM,
+    FAMILIES,
+    TITLES,
+    family_config_from_hf,
+    family_config_to_hf,
+    family_problems,
+    rope_from_hf,
+)
 from moetron.model.transformer import Decoder
 
 CONFIG_FILE = "config.json"
@@ -46,9 +61,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
-    """A Mixtral config.json (as a dict) → ModelConfig; ValueError for what moetron cannot express."""
-    if hf.get("model_type", "mixtral") != "mixtral":
-        raise ValueError(f"model_type {hf['model_type']!r}: only the Mixtral layout converts")
+    """A Mixtral, Qwen3-MoE or OLMoE config.json (as a dict) → ModelConfig; ValueError for what
+    moetron cannot express."""
+    family = hf.get("model_type", "mixtral")
+    if family not in FAMILIES:
+        raise ValueError(f"model_type {family!r}: only {', '.join(FAMILIES)} convert")
+    if family != "mixtral":
+        return family_config_from_hf(hf)
     # null means "the default" except where it has a meaning of its own.
     h = {**HF_DEFAULTS, **{k: v for k, v in hf.items() if v is not None or k in ("head_dim", "sliding_window")}}
     if "num_key_value_heads" in hf and hf["num_key_value_heads"] is None:
@@ -61,7 +80,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         # Mixtral renormalizes the kept weights, so top-1 gives every token weight 1.0; moetron's
         # top-1 uses the raw probability (Switch) and refuses renormalization.
         raise ValueError("num_experts_per_tok = 1: Mixtral's renormalized top-1 has no moetron equivalent")
-    theta, scaling, factor = _rope_from_hf(h)
+    theta, scaling, factor = rope_from_hf(h)
     # Sliding-window attention equals full attention on sequences no longer than the window.
     max_seq_len = h["max_position_embeddings"]
     if h["sliding_window"]:
@@ -79,47 +98,43 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
                       jitter=float(h["router_jitter_noise"]), every=1))
 
 
-def _rope_from_hf(h: dict[str, Any]) -> tuple[float, str, float]:
-    """(theta, scaling, factor) from transformers 5.x `rope_parameters` or 4.x `rope_theta` + `rope_scaling`."""
-    params = h.get("rope_parameters") or {}
-    legacy = h.get("rope_scaling") or {}
-    theta = params.get("rope_theta", h["rope_theta"])
-    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
-    if kind == "default":
-        return theta, "none", 1.0
-    if kind == "linear":
-        return theta, "linear", params.get("factor", legacy.get("factor", 1.0))
-    raise ValueError(f"rope type {kind!r}: only default and linear RoPE scaling convert")
+def hf_family(cfg: ModelConfig) -> str:
+    """The Hugging Face family `cfg` exports as: its qk-norm decides (none: Mixtral, head: Qwen3-MoE,
+    projection: OLMoE)."""
+    return BY_QK_NORM[cfg.qk_norm]
 
 
 def hf_problems(cfg: ModelConfig) -> list[tuple[str, object, str]]:
-    """What keeps `cfg` from being a Mixtral, as (field, value, rule)."""
+    """What keeps `cfg` from being a model of its family (`hf_family`), as (field, value, rule)."""
+    family = hf_family(cfg)
+    title = TITLES[family]
     rules = [("norm", "rmsnorm"), ("norm_position", "pre"), ("position", "rope"), ("activation", "swiglu"),
              ("bias", False)]
-    out = [(k, getattr(cfg, k), f"must be {want!r} for Mixtral") for k, want in rules if getattr(cfg, k) != want]
+    out = [(k, getattr(cfg, k), f"must be {want!r} for {title}") for k, want in rules if getattr(cfg, k) != want]
     if cfg.rope_scaling not in ("none", "linear"):
-        out.append(("rope_scaling", cfg.rope_scaling, "must be none or linear for Mixtral"))
+        out.append(("rope_scaling", cfg.rope_scaling, f"must be none or linear for {title}"))
     moe = cfg.moe
     if not moe.enabled:
-        out.append(("moe.num_experts", moe.num_experts, "must be > 0: Mixtral is an MoE"))
-    if moe.every != 1:
-        out.append(("moe.every", moe.every, "must be 1: every Mixtral FFN is an MoE layer"))
+        out.append(("moe.num_experts", moe.num_experts, f"must be > 0: {title} is an MoE"))
     if moe.shared_expert_d_ff:
-        out.append(("moe.shared_expert_d_ff", moe.shared_expert_d_ff, "must be 0: Mixtral has no shared expert"))
-    if moe.weighting != "renormalize":
-        out.append(("moe.weighting", moe.weighting, "must be renormalize: Mixtral renormalizes top-k weights"))
-    return out
+        out.append(("moe.shared_expert_d_ff", moe.shared_expert_d_ff, f"must be 0: {title} has no shared expert"))
+    # Hugging Face's routers take the top-k of the softmax itself, unscaled, over all experts.
+    for key, want in (("score", "softmax"), ("route_scale", 1.0), ("num_groups", 0), ("bias_update_rate", 0.0)):
+        if getattr(moe, key) != want:
+            out.append((f"moe.{key}", getattr(moe, key), f"must be {want!r}: {title}'s router has no equivalent"))
+    return out + family_problems(cfg, family)
 
 
 def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id: int | None = None) -> dict[str, Any]:
-    """ModelConfig → Mixtral config.json (readable by transformers 4.x and 5.x). `eos_id` is the
-    tokenizer's end-of-text token, so that Hugging Face's `generate` stops where ours does.
+    """ModelConfig → the config.json of its family (`hf_family`), readable by transformers 4.x and 5.x.
+    `eos_id` is the tokenizer's end-of-text token, so that Hugging Face's `generate` stops where ours does.
 
-    A capacity factor is not carried over: Hugging Face's Mixtral is dropless, which is also how
+    A capacity factor is not carried over: Hugging Face's MoE layers are dropless, which is also how
     a capacity-trained model is best evaluated.
     """
     for key, value, rule in hf_problems(cfg):
         raise ValueError(f"model.{key} = {value!r}: {rule}")
+    family = hf_family(cfg)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     legacy_scaling = None
     if cfg.rope_scaling == "linear":
@@ -127,21 +142,23 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id
         legacy_scaling = {"type": "linear", "rope_type": "linear", "factor": cfg.rope_scaling_factor}
     dtype_name = next(name for name, dt in _DTYPES.items() if dt == dtype)
     special = {} if eos_id is None else {"eos_token_id": eos_id}
-    return {
+    out = {
         **special,
-        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_expert_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
         "max_position_embeddings": cfg.max_seq_len, "initializer_range": cfg.init_std,
         "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": cfg.tie_embeddings,
         "rope_theta": cfg.rope_theta, "rope_scaling": legacy_scaling, "rope_parameters": rope,
-        "sliding_window": None, "attention_dropout": 0.0,
-        "num_local_experts": cfg.moe.num_experts, "num_experts_per_tok": cfg.moe.top_k,
-        "router_aux_loss_coef": cfg.moe.aux_loss_coef, "router_jitter_noise": cfg.moe.jitter,
-        "output_router_logits": False, "use_cache": True,
+        "attention_dropout": 0.0, "num_experts_per_tok": cfg.moe.top_k,
+        "router_aux_loss_coef": cfg.moe.aux_loss_coef, "output_router_logits": False, "use_cache": True,
         "dtype": dtype_name, "torch_dtype": dtype_name,
     }
+    if family == "mixtral":
+        return {**out, "sliding_window": None, "num_local_experts": cfg.moe.num_experts,
+                "router_jitter_noise": cfg.moe.jitter}
+    return {**out, **family_config_to_hf(cfg, family)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,17 +166,32 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id
 
 _ATTN = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
          "attn.wo": "self_attn.o_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_QK_NORM = {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+_DENSE = {"ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj", "ffn.w_down": "mlp.down_proj"}
+# Per family: the MoE block's prefix as `save_pretrained` writes it, and its experts' (gate, up, down) names.
+_EXPERTS = {"mixtral": ("block_sparse_moe.", ("w1", "w3", "w2")),
+            "qwen3_moe": ("mlp.", ("gate_proj", "up_proj", "down_proj")),
+            "olmoe": ("mlp.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _plain_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
+    """moetron → Hugging Face name stems of one layer's tensors that map one to one."""
+    names = {**_ATTN, **(_QK_NORM if cfg.qk_norm != "none" else {})}
+    return names if cfg.is_moe_layer(layer) else {**names, **_DENSE}
 
 
 def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
                     cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(moetron name, tensor) for every parameter, reading Hugging Face tensors through `get`."""
+    per_expert, (w_gate, w_up, w_down) = _EXPERTS[hf_family(cfg)]
     yield "embed.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for mine, theirs in _ATTN.items():
+        for mine, theirs in _plain_names(cfg, i).items():
             yield f"{ours}{mine}.weight", get(f"{hf}{theirs}.weight")
-        moe = f"{hf}block_sparse_moe." if f"{hf}block_sparse_moe.gate.weight" in keys else f"{hf}mlp."
+        if not cfg.is_moe_layer(i):
+            continue
+        moe = f"{hf}{per_expert}" if f"{hf}{per_expert}gate.weight" in keys else f"{hf}mlp."
         yield f"{ours}ffn.router.gate.weight", get(f"{moe}gate.weight")
         if f"{moe}experts.gate_up_proj" in keys:
             gate_up_E2FD = get(f"{moe}experts.gate_up_proj")
@@ -170,7 +202,7 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
             def stack(name: str) -> torch.Tensor:
                 return torch.stack([get(f"{moe}experts.{e}.{name}.weight").t() for e in range(cfg.moe.num_experts)])
 
-            gate_EDF, up_EDF, down_EFD = stack("w1"), stack("w3"), stack("w2")
+            gate_EDF, up_EDF, down_EFD = stack(w_gate), stack(w_up), stack(w_down)
         yield f"{ours}ffn.experts.w_gate_EDF", gate_EDF
         yield f"{ours}ffn.experts.w_up_EDF", up_EDF
         yield f"{ours}ffn.experts.w_down_EFD", down_EFD
@@ -182,14 +214,17 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
 def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, contiguous tensor) in the per-expert layout `save_pretrained` writes."""
     cfg, sd = model.cfg, model.state_dict()
+    per_expert, hf_names = _EXPERTS[hf_family(cfg)]
     yield "model.embed_tokens.weight", sd["embed.weight"]
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        for mine, theirs in _ATTN.items():
+        for mine, theirs in _plain_names(cfg, i).items():
             yield f"{hf}{theirs}.weight", sd[f"{ours}{mine}.weight"]
-        moe = f"{hf}block_sparse_moe."
+        if not cfg.is_moe_layer(i):
+            continue
+        moe = f"{hf}{per_expert}"
         yield f"{moe}gate.weight", sd[f"{ours}ffn.router.gate.weight"]
-        for name, key in (("w1", "w_gate_EDF"), ("w3", "w_up_EDF"), ("w2", "w_down_EFD")):
+        for name, key in zip(hf_names, ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
             w_E = sd[f"{ours}ffn.experts.{key}"]
             for e in range(cfg.moe.num_experts):
                 yield f"{moe}experts.{e}.{name}.weight", w_E[e].t().contiguous()
@@ -203,7 +238,8 @@ def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_hf(hf_dir: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:
-    """Build a Decoder from a Hugging Face Mixtral folder (config.json + safetensors, sharded or not).
+    """Build a Decoder from a Hugging Face Mixtral, Qwen3-MoE or OLMoE folder (config.json +
+    safetensors, sharded or not).
 
     `dtype` defaults to the checkpoint's. Tensors are read one at a time from memory-mapped files.
     """

@@ -1,4 +1,5 @@
-"""`moetron convert --from-hf HF_DIR --out CKPT` and `moetron convert --to-hf CKPT --out HF_DIR`."""
+"""`moetron convert --from-hf HF_DIR --out CKPT` and `moetron convert --to-hf CKPT --out HF_DIR`
+(Mixtral, Qwen3-MoE, OLMoE: model/hf.py)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from moetron.launcher.cli.help import HelpFormatter
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "convert", help="move weights to and from Hugging Face (Mixtral layout)",
-        description="Convert between a Hugging Face Mixtral folder (config.json + safetensors) and a "
-                    "moetron checkpoint folder. --from-hf writes a weights-only checkpoint that "
-                    "`moetron generate` reads; --to-hf takes a checkpoint or a run folder (its newest "
-                    "checkpoint) and writes a folder MixtralForCausalLM.from_pretrained loads. A "
-                    "tokenizer.json travels along when there is one.",
+        "convert", help="move weights to and from Hugging Face (Mixtral, Qwen3-MoE, OLMoE)",
+        description="Convert between a Hugging Face folder (config.json + safetensors; model_type "
+                    "mixtral, qwen3_moe or olmoe) and a moetron checkpoint folder. --from-hf writes a "
+                    "weights-only checkpoint that `moetron generate` reads; --to-hf takes a checkpoint "
+                    "or a run folder (its newest checkpoint) and writes a folder "
+                    "AutoModelForCausalLM.from_pretrained loads: Mixtral for model.qk_norm none, "
+                    "Qwen3-MoE for head, OLMoE for projection. A tokenizer.json travels along when "
+                    "there is one.",
         formatter_class=HelpFormatter)
     direction = p.add_mutually_exclusive_group(required=True)
     direction.add_argument("--from-hf", metavar="HF_DIR", help="Hugging Face folder to read")

@@ -110,6 +110,9 @@ def params_total(cfg: ModelConfig) -> int:
         if moe.shared_expert_d_ff:
             biases += n_moe * (ffn_bias * moe.shared_expert_d_ff + D)
     norms = (2 * cfg.n_layers + (cfg.norm_position == "pre")) * _norm_params(cfg)
+    # qk-norm gains (always RMSNorm): Dh each per head, or the whole q and k widths.
+    qk_norms = {"none": 0, "head": 2 * Dh, "projection": (H + G) * Dh}[cfg.qk_norm]
+    norms += cfg.n_layers * qk_norms
     t5_table = params_position(cfg) if cfg.position == "t5" else 0  # learned's is in params_embedding
     return params_embedding(cfg) + sum(weights.values()) + biases + norms + t5_table
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moetron.model.attention import Attention, KVCache, attention_bias, eager_attention
-from moetron.model.positions import alibi_slopes, rope_cos_sin, rope_inv_freq
+from moetron.model.positions import alibi_slopes, apply_rope, rope_cos_sin, rope_inv_freq
 
 D, H, DH = 32, 4, 8
 BACKENDS = ["eager", "sdpa"] + (["triton"] if importlib.util.find_spec("moetron.kernels.flash_attention") else [])
@@ -115,3 +115,41 @@ def test_alibi_slopes_equal_bloom(n_heads):
     bloom = pytest.importorskip("transformers.models.bloom.modeling_bloom")
     alibi = bloom.build_alibi_tensor(torch.ones(1, 3, dtype=torch.long), n_heads, torch.float32)
     torch.testing.assert_close(alibi_slopes(n_heads), alibi[:, 0, 1], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+def test_qk_norm_normalizes_q_and_k_before_rope_on_every_path(qk_norm):
+    """q and k are RMS-normalized (per head over Dh, or over the whole H·Dh / G·Dh projection) with
+    their gains, then rotated: the module equals that written out by hand, on both backends, and a
+    KV-cache decode continues the full pass exactly."""
+    torch.manual_seed(0)
+    attn = Attention(D, H, 2, DH, backend="eager", qk_norm=qk_norm, norm_eps=1e-6)
+    attn.init_weights(std=0.2, out_std=0.2)
+    with torch.no_grad():
+        attn.q_norm.weight.normal_(1.0, 0.3)
+        attn.k_norm.weight.normal_(1.0, 0.3)
+    x_BSD = torch.randn(2, 10, D)
+    rope = rope_cos_sin(torch.arange(10), rope_inv_freq(DH, 10000.0))
+
+    def rms(t, gain):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * gain
+
+    q, k = attn.wq(x_BSD), attn.wk(x_BSD)
+    if qk_norm == "projection":
+        q, k = rms(q, attn.q_norm.weight), rms(k, attn.k_norm.weight)
+    q_BHSDh, k_BGSDh = (t.view(2, 10, -1, DH) for t in (q, k))
+    if qk_norm == "head":
+        q_BHSDh, k_BGSDh = rms(q_BHSDh, attn.q_norm.weight), rms(k_BGSDh, attn.k_norm.weight)
+    q_BHSDh, k_BGSDh = apply_rope(q_BHSDh.transpose(1, 2), *rope), apply_rope(k_BGSDh.transpose(1, 2), *rope)
+    v_BGSDh = attn.wv(x_BSD).view(2, 10, -1, DH).transpose(1, 2)
+    o_BHSDh = eager_attention(q_BHSDh, k_BGSDh, v_BGSDh, attention_bias(10, 10, causal=True, slopes_H=None,
+                                                                         device="cpu"), DH**-0.5)
+    want_BSD = attn.wo(o_BHSDh.transpose(1, 2).reshape(2, 10, -1))
+    with torch.no_grad():
+        assert torch.allclose(attn(x_BSD, rope=rope), want_BSD, atol=1e-5)
+        attn.backend = "sdpa"
+        assert torch.allclose(attn(x_BSD, rope=rope), want_BSD, atol=1e-5)
+        cache = KVCache.empty(2, 2, 10, DH, dtype=torch.float32, device="cpu")
+        attn(x_BSD[:, :7], rope=tuple(t[:7] for t in rope), cache=cache)
+        step_BSD = attn(x_BSD[:, 7:], rope=tuple(t[7:] for t in rope), cache=cache)
+        assert torch.allclose(step_BSD, want_BSD[:, 7:], atol=1e-5)

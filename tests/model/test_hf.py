@@ -65,20 +65,13 @@ def test_from_hf_same_logits_and_greedy_continuation(transformers, tmp_path, var
 
 
 @pytest.mark.oracles
-def test_from_hf_reads_the_fused_expert_layout(transformers, tmp_path):
-    """transformers 5.x modules hold `mlp.experts.gate_up_proj` (E, 2F, D); files written from that
-    state dict directly must load too."""
-    from safetensors.torch import save_file
-
+def test_from_hf_reads_the_fused_expert_layout(transformers, fused_hf_folder):
+    """Files written from a fused state dict directly (transformers 5.x) load too."""
     hf = hf_mixtral(transformers)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-    if not any(k.endswith("experts.gate_up_proj") for k in sd):
-        pytest.skip("this transformers keeps per-expert modules")
-    save_file(sd, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(hf.config.to_json_string())
+    folder = fused_hf_folder(hf)
     ids = tokens()
     with torch.no_grad():
-        assert (hf(ids).logits - load_hf(tmp_path)(ids).logits_BSV).abs().max() < 1e-4
+        assert (hf(ids).logits - load_hf(folder)(ids).logits_BSV).abs().max() < 1e-4
 
 
 @pytest.mark.oracles
@@ -144,7 +137,7 @@ def test_config_reads_both_transformers_generations():
         assert cfg.max_seq_len == 4096 and cfg.kv_heads == 4 and cfg.d_ff == 14336
 
 
-@pytest.mark.parametrize("hf,needle", [({"model_type": "llama"}, "Mixtral layout"),
+@pytest.mark.parametrize("hf,needle", [({"model_type": "llama"}, "only mixtral, qwen3_moe, olmoe convert"),
                                        ({"hidden_act": "gelu"}, "SwiGLU"),
                                        ({"num_experts_per_tok": 1}, "top-1"),
                                        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "yarn")])
