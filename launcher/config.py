@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -120,19 +121,57 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
-    """Where tokens come from: "stdlib" (the Python standard library's own source, no download)
-    or the PREFIX of token shards written by `moetron data prepare`."""
+    """Where tokens come from: "stdlib" (the Python standard library's own source, no download),
+    the PREFIX of a Megatron indexed corpus (PREFIX.bin + PREFIX.idx, as `moetron data prepare`
+    or Megatron's preprocess_data.py write it), or `blend`: several, weighted."""
 
     source: str = "stdlib"
-    # For "stdlib": "byte", or a tokenizer.json path. Token shards carry their own tokenizer.
+    # Megatron's --data-path: [weight, PREFIX, weight, PREFIX, …] or [PREFIX]; replaces `source`.
+    blend: Optional[list] = None
+    # "byte", or a tokenizer.json path: for "stdlib" and corpora without moetron's PREFIX.json.
     tokenizer: str = "byte"
-    # Share of documents held out for validation, chosen by a hash of the document's name.
+    # Share of documents held out for validation: by a hash of the name for "stdlib", the last
+    # documents of a corpus other than moetron's (whose PREFIX.json records its own split).
     val_fraction: float = 0.02
 
     def problems(self) -> list[Problem]:
+        out: list[Problem] = []
         if not 0 < self.val_fraction < 1:
-            return [("val_fraction", self.val_fraction, "must be in (0, 1)")]
-        return []
+            out.append(("val_fraction", self.val_fraction, "must be in (0, 1)"))
+        if self.blend is not None:
+            rule = _blend_problem(self.blend)
+            if rule is None and self.source != "stdlib":
+                rule = f"replaces data.source ({self.source!r}): set one of them"
+            if rule is not None:
+                out.append(("blend", self.blend, rule))
+        return out
+
+    def blend_pairs(self) -> list[tuple[float, str]] | None:
+        """The blend as (weight, PREFIX) pairs (one source: weight 1), or None without a blend."""
+        if self.blend is None:
+            return None
+        if len(self.blend) == 1:
+            return [(1.0, str(self.blend[0]))]
+        return [(float(w), str(p)) for w, p in zip(self.blend[::2], self.blend[1::2])]
+
+
+def _blend_problem(blend: list) -> str | None:
+    """What is wrong with a data.blend list, or None."""
+    form = "must alternate weight and prefix, as [0.7, data/a, 0.3, data/b], or be one [prefix]"
+    if len(blend) == 1:
+        return None if isinstance(blend[0], str) and blend[0] else form
+    if not blend or len(blend) % 2:
+        return form
+    for weight, prefix in zip(blend[::2], blend[1::2]):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not isinstance(prefix, str):
+            return form
+        if not (math.isfinite(weight) and weight > 0):
+            return f"weight {weight!r} of {prefix}: every weight must be > 0"
+    names = [Path(p).name for p in blend[1::2]]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        return f"two sources named {twice[0]!r}: metrics key each source by its file name, so they must differ"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -366,6 +405,10 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} = {value!r}: must be a number")
         return float(value)
+    if tp is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} = {value!r}: must be a list")
+        return value
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(f"{key} = {value!r}: must be a string")
@@ -406,6 +449,10 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
         out.append(("parallel.tp", p.tp, f"must divide the KV heads ({m.kv_heads})"))
     if m.vocab_size % p.tp:
         out.append(("parallel.tp", p.tp, f"must divide model.vocab_size ({m.vocab_size})"))
+    if m.qk_norm != "none" and p.tp > 1:
+        # projection: the norm spans every head, split over the tp ranks; head: the shared Dh-sized
+        # gains would get each rank's heads' gradient only, and drift apart.
+        out.append(("parallel.tp", p.tp, f"must be 1 with model.qk_norm={m.qk_norm} (not split over tp ranks yet)"))
     if m.moe.enabled and m.moe.num_experts % p.ep:
         out.append(("parallel.ep", p.ep, f"must divide model.moe.num_experts ({m.moe.num_experts})"))
     if not m.moe.enabled and p.ep > 1:

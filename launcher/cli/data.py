@@ -1,19 +1,22 @@
-"""`moetron data prepare INPUTS... --out PREFIX`: tokenize text/jsonl into memory-mapped token shards."""
+"""`moetron data prepare INPUTS... --out PREFIX`: tokenize text/jsonl into a Megatron indexed corpus."""
 
 from __future__ import annotations
+
+import contextlib
 
 from moetron.launcher.cli.help import HelpFormatter
 
 
 def register(sub) -> None:
-    p = sub.add_parser("data", help="prepare token shards", description="Data preparation.")
+    p = sub.add_parser("data", help="prepare a tokenized corpus", description="Data preparation.")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     prep = dsub.add_parser(
-        "prepare", help="tokenize text or jsonl files into token shards",
+        "prepare", help="tokenize text or jsonl files into a Megatron indexed corpus",
         description="Tokenize INPUTS (text files: one document each; .jsonl: one document per line, "
-                    "field --text-key) into PREFIX.json + PREFIX.{train,val}-NNNNN.bin, the format "
-                    "data.source=PREFIX reads. `stdlib` as an input means the Python standard "
-                    "library's own source.",
+                    "field --json-key) into PREFIX.bin + PREFIX.idx, Megatron's indexed format (what "
+                    "data.source=PREFIX and data.blend read, and Megatron-LM too), held-out documents "
+                    "last, and PREFIX.json (tokenizer, split, largest id). `stdlib` as an input means "
+                    "the Python standard library's own source.",
         formatter_class=HelpFormatter)
     prep.add_argument("inputs", nargs="+", help="text or .jsonl files, or 'stdlib'")
     prep.add_argument("--out", required=True, metavar="PREFIX", help="output prefix, e.g. data/corpus")
@@ -21,7 +24,8 @@ def register(sub) -> None:
                       help="'byte', 'bpe' (train a byte-level BPE on the inputs), or a tokenizer.json")
     prep.add_argument("--vocab-size", type=int, default=4096, help="vocabulary of a trained BPE")
     prep.add_argument("--val-fraction", type=float, default=0.02, help="share of documents held out")
-    prep.add_argument("--text-key", default="text", help="field of a .jsonl record holding the text")
+    prep.add_argument("--json-key", "--text-key", dest="text_key", default="text",
+                      help="field of a .jsonl record holding the text")
     prep.set_defaults(run=run_prepare)
 
 
@@ -30,14 +34,8 @@ def run_prepare(args) -> int:
     from pathlib import Path
 
     from moetron.launcher.config import ConfigError, TrainConfig
-    from moetron.launcher.data.corpus import (
-        is_validation,
-        read_documents,
-        stdlib_documents,
-        tokenize_split,
-        window_shortage,
-        write_shards,
-    )
+    from moetron.launcher.data.corpus import is_validation, read_documents, stdlib_documents, window_shortage
+    from moetron.launcher.data.prepare import write_corpus
     from moetron.launcher.data.tokenizer import load_tokenizer, train_bpe
 
     for item in args.inputs:
@@ -58,14 +56,15 @@ def run_prepare(args) -> int:
         tok = train_bpe((text for _, text in docs), args.vocab_size, out.with_name(out.name + ".tokenizer.json"))
     else:
         tok = load_tokenizer(args.tokenizer)
-    splits = tokenize_split(docs, tok, args.val_fraction)
-    header = write_shards(args.out, splits, tok)
-    print(f"{_count(len(docs), 'document')} → {len(splits['train']):,} train and {len(splits['val']):,} validation "
-          f"tokens (vocabulary {tok.vocab_size}); header {header}")
+    with _progress(sum(len(text) for _, text in docs)) as advance:
+        written = write_corpus(args.out, docs, tok, args.val_fraction, advance)
+    train, val = written.tokens["train"], written.tokens["val"]
+    print(f"{_count(len(docs), 'document')} → {train:,} train and {val:,} validation tokens "
+          f"(vocabulary {tok.vocab_size}, largest id {written.max_id}); index {written.index}")
     # A split shorter than a window at the default train.seq_len still trains at a shorter one.
     seq_len = TrainConfig().seq_len
-    for split, tokens in (("train", splits["train"]), ("validation", splits["val"])):
-        shortage = window_shortage(split, [len(tokens)], seq_len)
+    for split, tokens in (("train", train), ("validation", val)):
+        shortage = window_shortage(split, [tokens], seq_len)
         if shortage:
             print(f"warning: at train.seq_len = {seq_len} (the default), {shortage}", file=sys.stderr)
     return 0
@@ -83,6 +82,24 @@ def _split_problem(documents: int, held_out: int, val_fraction: float) -> str | 
     return (f"{went} to {side}, none to {other} (--val-fraction {val_fraction:g} picks documents by a hash of "
             f"their names); each split needs at least one: give more documents (a .jsonl holds one per line) "
             f"or {fix} --val-fraction")
+
+
+@contextlib.contextmanager
+def _progress(total_chars: int):
+    """A rich progress bar of characters tokenized, on a terminal's stderr (none elsewhere:
+    logs and pipes get the summary line only); yields advance(chars)."""
+    import sys
+
+    if not sys.stderr.isatty():
+        yield lambda chars: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeRemainingColumn
+
+    with Progress("[bold]tokenize", BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("tokenize", total=total_chars)
+        yield lambda chars: bar.advance(task, chars)
 
 
 def _count(n: int, noun: str) -> str:

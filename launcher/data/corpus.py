@@ -1,12 +1,10 @@
-"""Text in, token windows out: the embedded corpus, token shards on disk, and a resumable sampler.
+"""Text in, token windows out: the embedded corpus, Megatron indexed corpora on disk
+(launcher/data/indexed.py), and a resumable sampler of one corpus (a blend of several: blend.py).
 
-Token shards (written by `moetron data prepare … --out PREFIX`):
-  PREFIX.json              header: {"format": "moetron.tokens", "version": 1, "dtype": "uint16"|"uint32",
-                           "vocab_size", "eos_id", "tokenizer": {...}, "splits": {"train": [{"file", "tokens",
-                           "documents"}], "val": [...]}}
-  PREFIX.train-00000.bin   little-endian token ids, each document followed by eos_id; likewise .val-*.bin
-A document goes to validation when crc32(its name) falls in the lowest `val_fraction` of the range,
-so the split never changes with the order or number of inputs.
+`moetron data prepare` sends a document to validation when crc32(its name) falls in the lowest
+`val_fraction` of the range, so the split never changes with the order or number of inputs; it
+writes the training documents first and the held-out ones last, and records how many it held
+out. A corpus from another writer holds out its last documents (Megatron's train/valid order).
 """
 
 from __future__ import annotations
@@ -22,8 +20,11 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from moetron.launcher.config import ConfigError
+from moetron.launcher.data.indexed import IndexedWriter, read_indexed, read_sidecar, token_dtype
 from moetron.launcher.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_spec
 
+VALIDATION_SEED = 12345
 TEST_FOLDERS = {"test", "tests", "idle_test"}
 THIRD_PARTY_FOLDERS = {"site-packages", "dist-packages"}
 
@@ -72,68 +73,104 @@ def read_documents(paths: Iterable[str | Path], text_key: str = "text") -> Itera
             with p.open(encoding="utf-8") as f:
                 for i, line in enumerate(f):
                     if line.strip():
-                        yield f"{p}:{i}", json.loads(line)[text_key]
+                        record = json.loads(line)
+                        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                            raise ConfigError(f"{p}:{i + 1}: no text field {text_key!r} (choose the field "
+                                              f"with --json-key)")
+                        yield f"{p}:{i}", record[text_key]
         else:
             yield str(p), p.read_text(encoding="utf-8", errors="replace")
 
 
-def write_shards(prefix: str | Path, splits: dict[str, np.ndarray], tok: Tokenizer, *,
-                 shard_tokens: int = 1 << 28, documents: dict[str, int] | None = None) -> Path:
-    """Write token shards and the header describing them; the header is written last, so a
-    prefix with a header is always complete."""
+def write_shards(prefix: str | Path, splits: dict[str, np.ndarray], tok: Tokenizer) -> Path:
+    """Write whole split arrays as a Megatron indexed corpus (launcher/data/indexed.py): the train
+    tokens as one document, then the validation tokens as the one held-out document. → PREFIX.idx"""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    header = {"format": "moetron.tokens", "version": 1, "dtype": np.dtype(splits["train"].dtype).name,
-              "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "tokenizer": tokenizer_spec(tok, prefix.parent), "splits": {}}
-    for split, tokens in splits.items():
-        entries = []
-        for i, start in enumerate(range(0, max(len(tokens), 1), shard_tokens)):
-            chunk = tokens[start : start + shard_tokens]
-            name = f"{prefix.name}.{split}-{i:05d}.bin"
-            chunk.astype(chunk.dtype.newbyteorder("<"), copy=False).tofile(prefix.parent / name)
-            entries.append({"file": name, "tokens": int(len(chunk))})
-        header["splits"][split] = entries
-        header.setdefault("documents", {})[split] = (documents or {}).get(split)
-    header_path = prefix.with_name(prefix.name + ".json")
-    tmp = header_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(header, indent=1))
-    tmp.replace(header_path)
-    return header_path
+    writer = IndexedWriter(prefix, token_dtype(tok.vocab_size))
+    for split in ("train", "val"):
+        writer.add(splits[split])
+    return writer.finish(sidecar_for(tok, prefix, {"train": 1, "val": 1}, writer.max_id))
+
+
+def sidecar_for(tok: Tokenizer, prefix: Path, documents: dict[str, int], max_id: int) -> dict:
+    """What PREFIX.json records beside an indexed corpus `moetron data prepare` wrote."""
+    return {"tokenizer": tokenizer_spec(tok, prefix.parent), "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+            "documents": documents, "max_token_id": max_id}
+
+
+@dataclass
+class Source:
+    """One corpus of a run: its splits as lists of (memory-mapped) token arrays, its blend weight,
+    and the largest token id its writer recorded (None when unknown)."""
+
+    name: str
+    prefix: str
+    weight: float
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    max_id: int | None = None
 
 
 @dataclass
 class TokenData:
-    """Both splits as lists of (memory-mapped) token arrays, and the tokenizer that made them."""
+    """A run's sources (one, or a blend's) and the tokenizer that made them."""
 
-    train: list[np.ndarray]
-    val: list[np.ndarray]
+    sources: list[Source]
     tokenizer: Tokenizer
+
+    @property
+    def train(self) -> list[np.ndarray]:
+        return [a for s in self.sources for a in s.train]
+
+    @property
+    def val(self) -> list[np.ndarray]:
+        return [a for s in self.sources for a in s.val]
 
     @property
     def vocab_size(self) -> int:
         return self.tokenizer.vocab_size
 
 
-def load_token_data(source: str, tokenizer: str = "byte", val_fraction: float = 0.02) -> TokenData:
-    """"stdlib" tokenizes the embedded corpus in memory; anything else is a shard PREFIX."""
-    if source == "stdlib":
+def load_token_data(source: str, tokenizer: str = "byte", val_fraction: float = 0.02,
+                    blend: list[tuple[float, str]] | None = None) -> TokenData:
+    """"stdlib" tokenizes the embedded corpus in memory; anything else is the PREFIX of a Megatron
+    indexed corpus, or `blend` names several as (weight, PREFIX). A prefix `moetron data prepare`
+    wrote carries its tokenizer and split (PREFIX.json); another writer's takes `tokenizer` and
+    holds out its last `val_fraction` of documents."""
+    if blend is None and source == "stdlib":
         tok = load_tokenizer(tokenizer)
         splits = tokenize_split(stdlib_documents(), tok, val_fraction)
-        return TokenData([splits["train"]], [splits["val"]], tok)
-    header_path = Path(source + ".json")
-    if not header_path.is_file():
-        raise FileNotFoundError(f"data.source {source!r}: neither 'stdlib' nor a token-shard prefix "
-                                f"({header_path} missing; write one with `moetron data prepare`)")
-    header = json.loads(header_path.read_text())
-    if header.get("format") != "moetron.tokens":
-        raise ValueError(f"{header_path}: not a moetron token-shard header")
-    dtype = np.dtype(header["dtype"]).newbyteorder("<")
+        return TokenData([Source("stdlib", "stdlib", 1.0, [splits["train"]], [splits["val"]])], tok)
+    pairs = blend if blend is not None else [(1.0, source)]
+    loaded = [_load_prefix(prefix, weight, val_fraction) for weight, prefix in pairs]
+    specs = {json.dumps(spec, sort_keys=True): (spec, prefix) for (_, spec), (_, prefix) in zip(loaded, pairs) if spec}
+    if len(specs) > 1:
+        (a, pa), (b, pb) = list(specs.values())[:2]
+        raise ConfigError(f"data.blend: {pa} and {pb} were tokenized differently ({a} vs {b}); a blend needs "
+                          f"one tokenizer")
+    if specs:
+        spec, prefix = next(iter(specs.values()))
+        tok = load_tokenizer(spec, Path(prefix).parent)
+    else:
+        tok = load_tokenizer(tokenizer)
+    return TokenData([s for s, _ in loaded], tok)
 
-    def open_split(split: str) -> list[np.ndarray]:
-        return [np.memmap(header_path.parent / e["file"], dtype=dtype, mode="r", shape=(e["tokens"],))
-                for e in header["splits"][split] if e["tokens"]]
 
-    return TokenData(open_split("train"), open_split("val"), load_tokenizer(header["tokenizer"], header_path.parent))
+def _load_prefix(prefix: str, weight: float, val_fraction: float) -> tuple[Source, dict | None]:
+    """One indexed corpus as a Source, and the tokenizer its sidecar names (None without one)."""
+    sidecar = read_sidecar(prefix)
+    corpus = read_indexed(prefix)
+    if sidecar is not None:
+        held_out = int(sidecar["documents"]["val"])
+    else:
+        held_out = max(1, round(corpus.documents * val_fraction))
+        if corpus.documents < 2:
+            raise ConfigError(f"{prefix}: {corpus.documents} document(s); a validation split held out by "
+                              f"documents needs at least 2")
+    train, val = corpus.split(min(held_out, corpus.documents))
+    max_id = sidecar.get("max_token_id") if sidecar else None
+    return Source(Path(prefix).name, prefix, weight, [train], [val], max_id), (sidecar or {}).get("tokenizer")
 
 
 class WindowSampler:
@@ -147,8 +184,9 @@ class WindowSampler:
     `tokens_read` counts the tokens this sampler has gathered from the shards.
     """
 
-    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int):
-        self.shards, self.seq_len, self.seed = shards, seq_len, seed
+    def __init__(self, shards: list[np.ndarray], seq_len: int, seed: int, stream: int = 0):
+        # `stream` tells apart the orders of a blend's sources under one seed; 0 is a lone corpus's.
+        self.shards, self.seq_len, self.seed, self.stream = shards, seq_len, seed, stream
         # Windows start every seq_len tokens and never cross a shard boundary.
         self.per_shard = [max((len(s) - 1) // seq_len, 0) for s in shards]
         self.first = np.cumsum([0] + self.per_shard)
@@ -160,7 +198,13 @@ class WindowSampler:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
+        key = [self.seed, epoch] if self.stream == 0 else [self.seed, epoch, self.stream]
+        return np.random.default_rng(key).permutation(self.num_windows)
+
+    @property
+    def drawn(self) -> int:
+        """Windows handed out so far, over all epochs."""
+        return self.epoch * self.num_windows + self.index
 
     def _locate(self, w: int) -> tuple[np.ndarray, int]:
         """The shard holding window w and the window's first token in it."""
@@ -193,18 +237,19 @@ class WindowSampler:
         `next_batch(n)[rows]` cut at the spans.
         """
         windows = self.next_windows(n)[rows if rows is not None else slice(None)]
-        pieces = spans if spans is not None else [(0, self.seq_len + 1)]
-        widths = {stop - start for start, stop in pieces}
-        if len(widths) != 1 or not all(0 <= a < b <= self.seq_len + 1 for a, b in pieces):
-            raise ValueError(f"spans {spans}: need pieces of one width within a window's {self.seq_len + 1} tokens")
+        pieces, width = window_pieces(spans, self.seq_len)
         # Filled in place: the batch is the only copy of the tokens held here (no list to stack).
-        out_RPL = np.empty((len(windows), len(pieces), widths.pop()), dtype=np.int64)
+        out_RPL = np.empty((len(windows), len(pieces), width), dtype=np.int64)
         for i, w in enumerate(windows):
-            shard, start = self._locate(w)
-            for j, (a, b) in enumerate(pieces):
-                out_RPL[i, j] = shard[start + a : start + b]
-        self.tokens_read += out_RPL.size
+            self.read_into(out_RPL[i], w, pieces)
         return torch.from_numpy(out_RPL if spans is not None else out_RPL[:, 0])
+
+    def read_into(self, out_PL: np.ndarray, w: int, pieces: list[tuple[int, int]]) -> None:
+        """Copy the `pieces` of window w into out_PL (len(pieces), width)."""
+        shard, start = self._locate(w)
+        for j, (a, b) in enumerate(pieces):
+            out_PL[j] = shard[start + a : start + b]
+        self.tokens_read += out_PL.size
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "seq_len": self.seq_len}
@@ -217,12 +262,27 @@ class WindowSampler:
         self._order = self._permutation(self.epoch)
 
 
+def window_pieces(spans: list[tuple[int, int]] | None, seq_len: int) -> tuple[list[tuple[int, int]], int]:
+    """The (start, stop) pieces of a window of seq_len + 1 tokens to read (the whole window when
+    `spans` is None) and their common width."""
+    pieces = spans if spans is not None else [(0, seq_len + 1)]
+    widths = {stop - start for start, stop in pieces}
+    if len(widths) != 1 or not all(0 <= a < b <= seq_len + 1 for a, b in pieces):
+        raise ValueError(f"spans {spans}: need pieces of one width within a window's {seq_len + 1} tokens")
+    return pieces, widths.pop()
+
+
 def validation_batches(shards: list[np.ndarray], seq_len: int, batch: int, n_batches: int, *,
                        rows: Callable[[int], slice] | None = None,
                        spans: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
     """A fixed set of validation windows, the same at every evaluation (seeded, not advancing).
     rows(size) and spans pick the part of each batch this rank reads, as in `WindowSampler.next_batch`."""
-    sampler = WindowSampler(shards, seq_len, seed=12345)
+    return fixed_batches(WindowSampler(shards, seq_len, seed=VALIDATION_SEED), batch, n_batches, rows, spans)
+
+
+def fixed_batches(sampler, batch: int, n_batches: int, rows: Callable[[int], slice] | None,
+                  spans: list[tuple[int, int]] | None) -> list[torch.Tensor]:
+    """The first n_batches batches of a fresh `sampler` (at most one epoch of its windows)."""
     n = min(batch * n_batches, sampler.num_windows)
     sizes = [min(batch, n - i) for i in range(0, n, batch)]
     return [sampler.next_batch(size, rows(size) if rows else None, spans) for size in sizes]

@@ -3,8 +3,8 @@
 The trainer writes nothing until the config, the data and the checkpoint have all been found
 usable: a start that is refused answers in one line and leaves no folder (nor a changed one)
 behind. Here:
-- `checked_data`: the corpus, refused when a split cannot fill one window of seq_len + 1 tokens
-  or its tokenizer outgrows the model's vocabulary;
+- `checked_data`: the corpus (or each corpus of a blend), refused when a split cannot fill one
+  window of seq_len + 1 tokens, or its tokenizer or token ids outgrow the model's vocabulary;
 - `already_finished`: a run whose checkpoint is at (or past) train.steps;
 - `load_resumable`: the checkpoint's tensors, passing over one found damaged while it loads when
   the resume is automatic (launcher/run_dir.py set aside the ones whose files are cut short);
@@ -19,24 +19,57 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+import numpy as np
+
 from moetron.launcher.checkpoint.io import CheckpointDamaged
 from moetron.launcher.config import Config, ConfigError, TrainConfig
-from moetron.launcher.data.corpus import TokenData, load_token_data, window_shortage
+from moetron.launcher.data.corpus import Source, TokenData, load_token_data, window_shortage
 from moetron.launcher.run_dir import RunDir, RunError, SetAside, checkpoint_step, fall_back
 
 
 def checked_data(cfg: Config) -> TokenData:
     """The run's token data, once it can feed this config: raises ConfigError (one line) when its
-    tokenizer has more ids than model.vocab_size, or a split holds no window of seq_len + 1."""
-    data = load_token_data(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction)
-    if data.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {cfg.model.vocab_size}: must be >= the tokenizer's "
+    tokenizer has more ids than model.vocab_size, a source holds a token id the model has no row
+    for (the id its writer recorded, or one among its first tokens), or a split of a source holds
+    no window of seq_len + 1."""
+    d = cfg.data
+    data = load_token_data(d.source, d.tokenizer, d.val_fraction, d.blend_pairs())
+    vocab = cfg.model.vocab_size
+    if data.vocab_size > vocab:
+        raise ConfigError(f"model.vocab_size = {vocab}: must be >= the tokenizer's "
                           f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
-    for split, shards in (("train", data.train), ("validation", data.val)):
-        problem = window_shortage(split, [len(s) for s in shards], cfg.train.seq_len)
+    for source in data.sources:
+        where = f"data.source = {d.source!r}" if d.blend is None else f"data.blend source {source.prefix!r}"
+        for split, shards in (("train", source.train), ("validation", source.val)):
+            problem = window_shortage(split, [len(s) for s in shards], cfg.train.seq_len)
+            if problem:
+                raise ConfigError(f"{where}: {problem}")
+        problem = token_id_problem(source, vocab)
         if problem:
-            raise ConfigError(f"data.source = {cfg.data.source!r}: {problem}")
+            raise ConfigError(f"{where}: {problem}")
     return data
+
+
+def token_id_problem(source: Source, vocab_size: int, first: int = 1 << 20) -> str | None:
+    """Why `source` holds ids outside [0, vocab_size) — by the largest id its writer recorded, else
+    among the first `first` tokens of each split (a corpus made with another tokenizer shows it
+    at once; reading all of a large corpus would not pay) — or None."""
+    if source.max_id is not None and source.max_id >= vocab_size:
+        return (f"holds token id {source.max_id} (the largest `moetron data prepare` wrote); model.vocab_size "
+                f"= {vocab_size} must be above it: set model.vocab_size >= {source.max_id + 1}")
+    for split, arrays in (("train", source.train), ("validation", source.val)):
+        for tokens in arrays:
+            head = np.asarray(tokens[:first])
+            if not head.size:
+                continue
+            first_n = f"among the first {min(first, len(tokens)):,} tokens of its {split} split"
+            if head.min() < 0:
+                return f"token id {int(head.min())} {first_n} is negative: these are not token ids"
+            if head.max() >= vocab_size:
+                return (f"token id {int(head.max())} {first_n} is outside model.vocab_size = {vocab_size} "
+                        f"(ids 0..{vocab_size - 1}): was it tokenized with a larger vocabulary? set "
+                        f"model.vocab_size >= {int(head.max()) + 1} or re-tokenize")
+    return None
 
 
 def already_finished(run: RunDir, steps: int, console: Callable[[str], None]) -> bool:

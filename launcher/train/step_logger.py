@@ -71,6 +71,7 @@ class StepLogger:
         self._window_tokens += self.tokens_per_step
         self._window_s += iteration_s
         record = {"loss": result.loss, "lr": lr, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s(), 3)}
+        record.update({f"tokens/{name}": n for name, n in state.source_tokens.items()})  # under data.blend
         if result.skipped:
             self.console(f"step {step}: skipped, not finite ({result.reason}); weights unchanged")
         log = step % self.cfg.log_every == 0 or step == self.cfg.steps or result.skipped

@@ -18,7 +18,7 @@ import contextlib
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from moetron.launcher.checkpoint.store import load_checkpoint
 from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distributed, shutdown
 from moetron.launcher.config import Config, validate_launch
-from moetron.launcher.data.corpus import TokenData, WindowSampler, validation_batches
+from moetron.launcher.data.blend import BlendSampler, blend_sampler, blend_validation_batches
+from moetron.launcher.data.corpus import TokenData
 from moetron.launcher.run_dir import RunDir, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
@@ -118,6 +119,8 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     earlier_s: float = 0.0  # wall time of the earlier attempts of this run
+    # Under data.blend: tokens each source has given so far, by file name (for the records).
+    source_tokens: dict[str, int] = field(default_factory=dict)
     _clock0: float = 0.0
 
     def start_clock(self) -> None:
@@ -135,7 +138,7 @@ class Components:
     cfg: Config
     pm: ParallelModel
     optimizer: torch.optim.Optimizer
-    sampler: WindowSampler
+    sampler: BlendSampler
     val_batches: list[torch.Tensor]
     device: torch.device
     bf16: bool
@@ -316,6 +319,8 @@ def _step(parts: Components, state: TrainState, meter) -> tuple[float, StepResul
     step_s = time.perf_counter() - step_t0
     state.step += 1
     state.tokens += tokens
+    if parts.cfg.data.blend is not None:
+        state.source_tokens = parts.sampler.tokens_by_source()
     return lr, result, step_s
 
 
@@ -328,9 +333,9 @@ def _build(cfg: Config, device: torch.device, data: TokenData) -> Components:
     for part in pm.modules:
         part.set_kernel_backend(cfg.kernel.backend)
     optimizer = optimizer_for(pm, t)
-    sampler = WindowSampler(data.train, t.seq_len, t.seed)
-    val_batches = validation_batches(data.val, t.seq_len, t.batch_size, t.eval_batches, rows=pm.batch_rows,
-                                     spans=pm.window_spans(t.seq_len))
+    sampler = blend_sampler(data.sources, "train", t.seq_len, t.seed)
+    val_batches = blend_validation_batches(data.sources, t.seq_len, t.batch_size, t.eval_batches,
+                                           rows=pm.batch_rows, spans=pm.window_spans(t.seq_len))
     return Components(cfg, pm, optimizer, sampler, val_batches, device, bf16, pm.expert_shards())
 
 

@@ -82,7 +82,7 @@ def test_validation_batches_are_fixed():
     assert len(a) == 3 and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-def test_prepare_writes_memory_mapped_shards(tmp_path):
+def test_prepare_writes_a_memory_mapped_indexed_corpus(tmp_path):
     (tmp_path / "a.txt").write_text("hello world\n" * 50)
     (tmp_path / "b.jsonl").write_text("\n".join(json.dumps({"text": f"record {i} ünïcode"}) for i in range(300)))
     out = tmp_path / "out" / "corpus"
@@ -91,8 +91,11 @@ def test_prepare_writes_memory_mapped_shards(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     header = json.loads(out.with_name("corpus.json").read_text())
-    assert header["format"] == "moetron.tokens" and header["dtype"] == "uint16"
+    assert header["format"] == "moetron.indexed" and header["documents"] == {"train": 298, "val": 3}
+    assert header["max_token_id"] == 256  # end-of-text; the text's bytes are all below it
+    assert out.with_name("corpus.idx").read_bytes()[17] == 8  # Megatron's code for uint16
     data = load_token_data(str(out))
+    assert all(isinstance(a, np.memmap) for a in [*data.train, *data.val])
     tokens = np.concatenate([*data.train, *data.val])
     tok = ByteTokenizer()
     expected = len(("hello world\n" * 50).encode()) + sum(len(f"record {i} ünïcode".encode()) for i in range(300)) + 301

@@ -12,7 +12,7 @@ import yaml
 
 from moetron.launcher.cli.main import main
 from moetron.launcher.config import load_config
-from moetron.launcher.data.corpus import write_shards
+from moetron.launcher.data.corpus import load_token_data, write_shards
 from moetron.launcher.data.tokenizer import ByteTokenizer
 from moetron.launcher.train.trainer import train
 
@@ -62,7 +62,7 @@ def test_a_corpus_too_small_for_one_window_is_refused_in_one_line(tmp_path, caps
 def test_a_refused_start_leaves_no_folder_and_the_name_stays_free_for_resume_none(tmp_path, capsys):
     runs = tmp_path / "runs"
     refusals = {
-        "a missing prefix": (f"data.source={tmp_path}/nope", f"{tmp_path}/nope.json missing"),
+        "a missing prefix": (f"data.source={tmp_path}/nope", f"{tmp_path}/nope.idx missing"),
         "a corpus too small": (f"data.source={corpus(tmp_path, 10, 10)}", "the train split holds 10 tokens"),
         "a tokenizer larger than the model": ("model.vocab_size=64", "must be >= the tokenizer's vocabulary (257"),
     }
@@ -84,7 +84,7 @@ def test_the_first_hour_story_in_a_real_process(tmp_path):
     prep = subprocess.run([sys.executable, "-m", "moetron", "data", "prepare", "notes.jsonl", "--out", "data/notes"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert prep.returncode == 0, prep.stderr
-    val = len(np.fromfile(tmp_path / "data" / "notes.val-00000.bin", dtype=np.uint16))
+    val = sum(map(len, load_token_data(str(tmp_path / "data" / "notes")).val))
     assert 0 < val < 257
     assert prep.stderr == (f"warning: at train.seq_len = 256 (the default), the validation split holds {val} tokens; "
                            f"one window of train.seq_len + 1 = 257 tokens is needed: use train.seq_len={val - 1} or "
