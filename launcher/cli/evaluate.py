@@ -57,8 +57,8 @@ def run(args) -> int:
     cfg, model = load_model(ckpt, device=device, overrides=args.overrides)
     data = load_token_data(cfg.data.source, cfg.data.tokenizer, cfg.data.val_fraction, cfg.data.blend_pairs())
     if data.vocab_size > cfg.model.vocab_size:
-        raise ConfigError(f"data {cfg.data.blend or cfg.data.source!r}: its tokenizer has {data.vocab_size} ids, more than the "
-                          f"model's vocabulary ({cfg.model.vocab_size})")
+        raise ConfigError(f"data {cfg.data.blend or cfg.data.source!r}: its tokenizer has {data.vocab_size} ids, "
+                          f"more than the model's vocabulary ({cfg.model.vocab_size})")
     try:
         results = evaluate_lengths(model, data.val, lengths, tokens=args.tokens, batch_tokens=args.batch_tokens,
                                    vocab_size=data.vocab_size, device=device)

@@ -25,7 +25,7 @@ from moetron.launcher.data.corpus import (
     Source,
     WindowSampler,
     fixed_batches,
-    window_pieces,
+    read_windows,
 )
 
 
@@ -39,7 +39,7 @@ class BlendSampler:
         weights = np.asarray([w for _, w, _ in sources], dtype=np.float64)
         self.weights = weights / weights.sum()  # as Megatron's normalize()
         self.samplers = [WindowSampler(arrays, seq_len, seed, stream=k) for k, (_, _, arrays) in enumerate(sources)]
-        self.seq_len, self.seed = seq_len, seed
+        self.seq_len = seq_len
 
     @property
     def num_windows(self) -> int:
@@ -69,11 +69,7 @@ class BlendSampler:
         the token `spans`) are read. → (rows, seq_len + 1) int64, or (rows, len(spans), width)."""
         picks = [(k, self.samplers[k].next_windows(1)[0]) for k in self.next_sources(n)]
         chosen = picks[rows if rows is not None else slice(None)]
-        pieces, width = window_pieces(spans, self.seq_len)
-        out_RPL = np.empty((len(chosen), len(pieces), width), dtype=np.int64)
-        for i, (k, w) in enumerate(chosen):
-            self.samplers[k].read_into(out_RPL[i], w, pieces)
-        return torch.from_numpy(out_RPL if spans is not None else out_RPL[:, 0])
+        return read_windows([(self.samplers[k], w) for k, w in chosen], self.seq_len, spans)
 
     def tokens_by_source(self) -> dict[str, int]:
         """Training tokens (seq_len per sample) each source has given, over every rank."""

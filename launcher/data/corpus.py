@@ -237,12 +237,7 @@ class WindowSampler:
         `next_batch(n)[rows]` cut at the spans.
         """
         windows = self.next_windows(n)[rows if rows is not None else slice(None)]
-        pieces, width = window_pieces(spans, self.seq_len)
-        # Filled in place: the batch is the only copy of the tokens held here (no list to stack).
-        out_RPL = np.empty((len(windows), len(pieces), width), dtype=np.int64)
-        for i, w in enumerate(windows):
-            self.read_into(out_RPL[i], w, pieces)
-        return torch.from_numpy(out_RPL if spans is not None else out_RPL[:, 0])
+        return read_windows([(self, w) for w in windows], self.seq_len, spans)
 
     def read_into(self, out_PL: np.ndarray, w: int, pieces: list[tuple[int, int]]) -> None:
         """Copy the `pieces` of window w into out_PL (len(pieces), width)."""
@@ -270,6 +265,18 @@ def window_pieces(spans: list[tuple[int, int]] | None, seq_len: int) -> tuple[li
     if len(widths) != 1 or not all(0 <= a < b <= seq_len + 1 for a, b in pieces):
         raise ValueError(f"spans {spans}: need pieces of one width within a window's {seq_len + 1} tokens")
     return pieces, widths.pop()
+
+
+def read_windows(picks: list[tuple[WindowSampler, int]], seq_len: int,
+                 spans: list[tuple[int, int]] | None) -> torch.Tensor:
+    """Window w of its sampler's corpus for each (sampler, w) of `picks`, cut at `spans`.
+    → (len(picks), seq_len + 1) int64, or (len(picks), len(spans), width)."""
+    pieces, width = window_pieces(spans, seq_len)
+    # Filled in place: the batch is the only copy of the tokens held here (no list to stack).
+    out_RPL = np.empty((len(picks), len(pieces), width), dtype=np.int64)
+    for i, (sampler, w) in enumerate(picks):
+        sampler.read_into(out_RPL[i], w, pieces)
+    return torch.from_numpy(out_RPL if spans is not None else out_RPL[:, 0])
 
 
 def validation_batches(shards: list[np.ndarray], seq_len: int, batch: int, n_batches: int, *,

@@ -8,9 +8,9 @@ records how many. A failure on the way leaves nothing behind.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Callable, Iterable
 
 import numpy as np
 
