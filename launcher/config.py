@@ -133,11 +133,23 @@ class DataConfig:
     # Share of documents held out for validation: by a hash of the name for "stdlib", the last
     # documents of a corpus other than moetron's (whose PREFIX.json records its own split).
     val_fraction: float = 0.02
+    # Packed documents kept apart (Megatron's --reset-attention-mask): attention never crosses the
+    # end-of-document token that closes each document in the corpus.
+    document_mask: bool = False
+    # Positions restart at each document (Megatron's --reset-position-ids); needs document_mask.
+    reset_positions: bool = False
+    # The end-of-document token id; null: the tokenizer's end-of-text id (what `moetron data prepare` writes).
+    eod_id: Optional[int] = None
 
     def problems(self) -> list[Problem]:
         out: list[Problem] = []
         if not 0 < self.val_fraction < 1:
             out.append(("val_fraction", self.val_fraction, "must be in (0, 1)"))
+        if self.reset_positions and not self.document_mask:
+            out.append(("reset_positions", True, "needs data.document_mask: true (positions restart where the "
+                                                 "mask starts a document; without it the documents see each other)"))
+        if self.eod_id is not None and self.eod_id < 0:
+            out.append(("eod_id", self.eod_id, "must be a token id >= 0, or null for the tokenizer's end-of-text id"))
         if self.blend is not None:
             rule = _blend_problem(self.blend)
             if rule is None and self.source != "stdlib":
@@ -449,6 +461,8 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
         out.append(("parallel.tp", p.tp, f"must divide the KV heads ({m.kv_heads})"))
     if m.vocab_size % p.tp:
         out.append(("parallel.tp", p.tp, f"must divide model.vocab_size ({m.vocab_size})"))
+    if cfg.data.eod_id is not None and cfg.data.eod_id >= m.vocab_size:
+        out.append(("data.eod_id", cfg.data.eod_id, f"must be a token id below model.vocab_size ({m.vocab_size})"))
     if m.qk_norm != "none" and p.tp > 1:
         # projection: the norm spans every head, split over the tp ranks; head: the shared Dh-sized
         # gains would get each rank's heads' gradient only, and drift apart.

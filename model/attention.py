@@ -52,14 +52,16 @@ class KVCache:
 def attention_bias(
     n_queries: int, n_keys: int, *, causal: bool, slopes_H: torch.Tensor | None, device,
     q_positions_S: torch.Tensor | None = None, t5_bias: RelativePositionBias | None = None,
+    doc_start_BL: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Additive bias (H or 1, S, L): -inf above the causal diagonal, ALiBi's linear distance penalty
-    or T5's learned bias of the offset's bucket.
+    or T5's learned bias of the offset's bucket; with packed documents (B, H or 1, S, L), -inf
+    also before the start of each query's document (`doc_start_BL`, model/packing.py).
 
     Keys are positions 0..L−1. Queries are the last `n_queries` of them (prefill: equal; decode:
     one), or the positions `q_positions_S`, in any order (context parallelism's local tokens).
     """
-    if not causal and slopes_H is None and t5_bias is None:
+    if not causal and slopes_H is None and t5_bias is None and doc_start_BL is None:
         return None
     q_pos = torch.arange(n_keys - n_queries, n_keys, device=device) if q_positions_S is None else q_positions_S
     k_pos = torch.arange(n_keys, device=device)
@@ -70,6 +72,9 @@ def attention_bias(
         bias = t5_bias.bias(q_pos, k_pos).float()
     if causal:
         bias = bias.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    if doc_start_BL is not None:
+        before_B1SL = (k_pos[None, None, None, :] < doc_start_BL[:, q_pos][:, None, :, None])
+        bias = bias[None].masked_fill(before_B1SL, float("-inf"))
     return bias
 
 
@@ -124,8 +129,11 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         positions_S: torch.Tensor | None = None,
         t5_bias: RelativePositionBias | None = None,
+        doc_start_BL: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`rope` is (cos, sin) for the S new positions; `cache` holds the earlier ones.
+        `doc_start_BL`: where the document of each of the L positions of the sequences begins
+        (packed documents, model/packing.py); a query then sees only the keys of its own document.
         `t5_bias`: the model's shared relative-bias table, looked up here for these queries and keys
         (a decode step: the newest position against every cached one).
 
@@ -145,9 +153,9 @@ class Attention(nn.Module):
         if positions_S is not None:
             if self.hooks.kv_exchange is not None:
                 k_BGSDh, v_BGSDh = self.hooks.kv_exchange.gather_kv(k_BGSDh, v_BGSDh)
-            o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S, t5_bias)
+            o_BHSDh = self._attend_at(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, positions_S, t5_bias, doc_start_BL)
             return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
-        o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, t5_bias)
+        o_BHSDh = self._attend(q_BHSDh, k_BGSDh, v_BGSDh, alibi_slopes_H, t5_bias, doc_start_BL)
         return self.dropout(self.wo(o_BHSDh.transpose(1, 2).reshape(B, S, -1)))
 
     def _queries_keys(self, x_BSD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,15 +170,17 @@ class Attention(nn.Module):
             q_BSHDh, k_BSGDh = self.q_norm(q_BSHDh), self.k_norm(k_BSGDh)
         return q_BSHDh.transpose(1, 2), k_BSGDh.transpose(1, 2)
 
-    def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, t5_bias=None) -> torch.Tensor:
+    def _attend(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, t5_bias=None, doc_start_BL=None) -> torch.Tensor:
         S, L = q_BHSDh.shape[2], k_BGLDh.shape[2]
         if t5_bias is not None:
-            return self._attend_at(q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, None, t5_bias)
+            return self._attend_at(q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, None, t5_bias, doc_start_BL)
         if self.backend == "triton":
             from moetron.kernels.flash_attention import flash_attention
 
             return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=True, alibi_slopes_H=slopes_H,
-                                   softmax_scale=self.scale, backend=self.kernel_backend)
+                                   softmax_scale=self.scale, doc_start_BS=doc_start_BL, backend=self.kernel_backend)
+        if doc_start_BL is not None:
+            return self._attend_at(q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, None, None, doc_start_BL)
         if self.backend == "sdpa" and slopes_H is None and S == L:
             return F.scaled_dot_product_attention(
                 q_BHSDh, k_BGLDh, v_BGLDh, is_causal=True, scale=self.scale,
@@ -182,11 +192,13 @@ class Attention(nn.Module):
                 enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
         return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
 
-    def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S, t5_bias=None) -> torch.Tensor:
+    def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S, t5_bias=None,
+                   doc_start_BL=None) -> torch.Tensor:
         """Queries at global positions `q_positions_S` (None: the last S of the keys) over keys at
         positions 0..L−1, with the bias materialized: eager, else SDPA with it as the mask."""
         bias = attention_bias(q_BHSDh.shape[2], k_BGLDh.shape[2], causal=True, slopes_H=slopes_H,
-                              device=q_BHSDh.device, q_positions_S=q_positions_S, t5_bias=t5_bias)
+                              device=q_BHSDh.device, q_positions_S=q_positions_S, t5_bias=t5_bias,
+                              doc_start_BL=doc_start_BL)
         if self.backend == "eager":
             return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
         return F.scaled_dot_product_attention(

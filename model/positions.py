@@ -13,10 +13,11 @@ from torch import nn
 
 
 def sinusoidal_table(positions_S: torch.Tensor, d_model: int) -> torch.Tensor:
-    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...) (Vaswani et al. 2017) → (S, D)."""
+    """PE[pos, 2i] = sin(pos / 10000^(2i/d)), PE[pos, 2i+1] = cos(...) (Vaswani et al. 2017) → (S, D),
+    or (B, S, D) for positions (B, S) (restarting per packed document)."""
     inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
-    angles_SF = positions_S.to(torch.float64)[:, None] * inv_freq[None, :]
-    pe_SD = torch.stack([angles_SF.sin(), angles_SF.cos()], dim=-1).flatten(1)
+    angles_SF = positions_S.to(torch.float64)[..., None] * inv_freq.to(positions_S.device)
+    pe_SD = torch.stack([angles_SF.sin(), angles_SF.cos()], dim=-1).flatten(-2)
     return pe_SD.to(torch.float32)
 
 
@@ -64,8 +65,11 @@ def rope_attention_factor(scaling: str, factor: float) -> float:
 
 
 def rope_cos_sin(positions_S: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of position × frequency, each (S, Dh), laid out for `apply_rope`'s half rotation."""
-    angles_SF = positions_S.to(torch.float32)[:, None] * inv_freq[None, :].to(positions_S.device)
+    """cos and sin of position × frequency, each (S, Dh) — or (B, 1, S, Dh) for positions (B, S), one
+    row per sequence, broadcast over heads — laid out for `apply_rope`'s half rotation."""
+    if positions_S.dim() == 2:
+        positions_S = positions_S[:, None]
+    angles_SF = positions_S.to(torch.float32)[..., None] * inv_freq.to(positions_S.device)
     angles_SDh = torch.cat([angles_SF, angles_SF], dim=-1)
     return angles_SDh.cos(), angles_SDh.sin()
 

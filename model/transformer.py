@@ -97,28 +97,34 @@ class Decoder(nn.Module):
         # many positions a hidden-state input stands for, and which. Default: 0..S−1 (+ start_pos).
         self.hooks = ParallelHooks()
 
-    def forward(self, x: torch.Tensor, *, caches: list[KVCache] | None = None, start_pos: int = 0) -> ModelOutput:
+    def forward(self, x: torch.Tensor, doc_start_BL: torch.Tensor | None = None,
+                positions_BL: torch.Tensor | None = None, *, caches: list[KVCache] | None = None,
+                start_pos: int = 0) -> ModelOutput:
         """x: token ids (B, S) on the first stage, else hidden states (B, S, D). With `caches`,
-        positions start at `start_pos` and each layer's keys and values are appended to its cache."""
-        cfg = self.cfg
+        positions start at `start_pos` and each layer's keys and values are appended to its cache.
+
+        Packed documents (model/packing.py), both over the L positions of the whole sequences
+        (L = S, or more where parallel/ holds a part of each): `doc_start_BL` keeps attention inside
+        each document; `positions_BL` replaces 0..L−1 for the position encodings (RoPE, learned,
+        sinusoidal), e.g. restarting per document. ALiBi and T5's bias keep token distances, which
+        within a document are the same.
+        """
         hooks = self.hooks
         S = x.shape[1] if self.embed is not None else x.shape[1] * hooks.sequence_shards
         attn_kwargs: dict = {}
         if hooks.token_positions is not None:
             if caches is not None:
                 raise ValueError("KV-cache decoding runs on one process, not under context parallelism")
-            positions_S = attn_kwargs["positions_S"] = hooks.token_positions(S, x.device)
+            index_S = attn_kwargs["positions_S"] = hooks.token_positions(S, x.device)
         else:
-            positions_S = torch.arange(start_pos, start_pos + S, device=x.device)
-        h_BSD = self._embed(x, positions_S) if self.embed is not None else x
-        if cfg.position == "rope":
-            cos_SDh, sin_SDh = rope_cos_sin(positions_S, self.rope_inv_freq)
-            mscale = rope_attention_factor(cfg.rope_scaling, cfg.rope_scaling_factor)
-            attn_kwargs["rope"] = (cos_SDh * mscale, sin_SDh * mscale) if mscale != 1.0 else (cos_SDh, sin_SDh)
-        elif cfg.position == "alibi":
-            attn_kwargs["alibi_slopes_H"] = self.alibi_slopes_H
-        elif cfg.position == "t5":
-            attn_kwargs["t5_bias"] = self.t5_bias
+            index_S = torch.arange(start_pos, start_pos + S, device=x.device)
+        if doc_start_BL is not None:
+            if caches is not None:
+                raise ValueError("KV-cache decoding takes one document, without doc_start_BL")
+            attn_kwargs["doc_start_BL"] = doc_start_BL
+        positions = positions_BL[:, index_S] if positions_BL is not None else index_S
+        h_BSD = self._embed(x, positions) if self.embed is not None else x
+        attn_kwargs |= self._position_kwargs(positions)
         aux = h_BSD.new_zeros((), dtype=torch.float32)
         stats: dict[int, MoEStats] = {}
         for name, block in self.layers.items():
@@ -131,6 +137,19 @@ class Decoder(nn.Module):
             h_BSD = self.norm(h_BSD)
         out_BSV = self.head(h_BSD) if self.head is not None else h_BSD
         return ModelOutput(out_BSV, aux, stats)
+
+    def _position_kwargs(self, positions: torch.Tensor) -> dict:
+        """What attention needs of the position encoding, for positions (S,) or (B, S)."""
+        cfg = self.cfg
+        if cfg.position == "rope":
+            cos, sin = rope_cos_sin(positions, self.rope_inv_freq)
+            mscale = rope_attention_factor(cfg.rope_scaling, cfg.rope_scaling_factor)
+            return {"rope": (cos * mscale, sin * mscale) if mscale != 1.0 else (cos, sin)}
+        if cfg.position == "alibi":
+            return {"alibi_slopes_H": self.alibi_slopes_H}
+        if cfg.position == "t5":
+            return {"t5_bias": self.t5_bias}
+        return {}
 
     def _embed(self, ids_BS: torch.Tensor, positions_S: torch.Tensor) -> torch.Tensor:
         h_BSD = self.embed(ids_BS)

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from moetron.model.packing import Packing
 from moetron.model.transformer import Decoder
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
 from moetron.parallel.config import ParallelConfig
@@ -97,6 +98,8 @@ class ParallelModel:
     cross_entropy: CrossEntropy
     # Routed-expert weights split by F over tp (etp = tp): name → the split dim.
     expert_tp_split: dict[str, int] = field(default_factory=dict)
+    # Documents packed into each sequence are kept apart (model/packing.py); None: one stream.
+    packing: Packing | None = None
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -130,7 +133,8 @@ class ParallelModel:
         None (all of them) without context parallelism, else its two chunks of `split_sequence`,
         each with one more token for the last target. A window read as these pieces, (B, 2, C + 1),
         goes to `local_window` in place of the whole one."""
-        if self.cfg.cp == 1:
+        if self.cfg.cp == 1 or self.packing is not None:
+            # Packed documents: where a document begins may lie in another rank's chunk.
             return None
         cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
         if seq_len % (2 * cp):
@@ -149,6 +153,13 @@ class ParallelModel:
             return inputs_BS, targets_BS
         cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
         return split_sequence(inputs_BS, cp, cp_rank), split_sequence(targets_BS, cp, cp_rank)
+
+    def packed_args(self, micro_BS1: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The model's document inputs for whole windows (B, S + 1): () without packing, else
+        (doc_start_BS, positions_BS) over all S positions (every cp rank gets the whole sequences')."""
+        if self.packing is None:
+            return ()
+        return self.packing.model_inputs(micro_BS1[:, :-1])
 
     def loss_context(self):
         # Vocab-parallel logits: cross entropy without gathering V (forward and backward).
@@ -170,7 +181,7 @@ class ParallelModel:
             with self.loss_context():
                 with autocast():
                     inputs_BS, targets_BS = self.local_window(micro_BS1)
-                    out = model(inputs_BS)
+                    out = model(inputs_BS, *self.packed_args(micro_BS1))
                     ce = _plain(self.cross_entropy(out.logits_BSV, targets_BS))
                 ((ce + out.aux_loss) / grad_accum).backward()
             ce_sum, aux_sum, moe = ce_sum + ce.detach(), aux_sum + out.aux_loss.detach(), out.moe
@@ -182,7 +193,7 @@ class ParallelModel:
         n = grad_accum * self.cfg.microbatches
         for micro_BS1 in batch_BS1.chunk(grad_accum):
             with self.loss_context(), autocast():
-                pipe.step(*self.local_window(micro_BS1), 1.0 / n, train=train)
+                pipe.step(*self.local_window(micro_BS1), 1.0 / n, train=train, extra=self.packed_args(micro_BS1))
         rec = pipe.record
         zero = torch.zeros((), device=batch_BS1.device)
         ce = torch.stack([_plain(c).float() for c in rec.ce]).sum() / n if rec.ce else zero
@@ -202,7 +213,8 @@ class ParallelModel:
                 return self._pipeline_forward_backward(batch_BS1, max(passes, 1), autocast, train=False).ce
             with self.loss_context(), autocast():
                 inputs_BS, targets_BS = self.local_window(batch_BS1)
-                return _plain(self.cross_entropy(self.module(inputs_BS).logits_BSV, targets_BS))
+                logits_BSV = self.module(inputs_BS, *self.packed_args(batch_BS1)).logits_BSV
+                return _plain(self.cross_entropy(logits_BSV, targets_BS))
         finally:
             for m in self.modules:
                 m.train()
@@ -242,7 +254,7 @@ def _reset(record: StepRecord) -> None:
 
 def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
                 cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False,
-                microbatch_BS: tuple[int, int] | None = None) -> ParallelModel:
+                microbatch_BS: tuple[int, int] | None = None, packing: Packing | None = None) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
@@ -295,7 +307,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         return full
 
     materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=expert_slice)
-    pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy, microbatch_BS) \
-        if cfg.pp > 1 else None
+    pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy, microbatch_BS,
+                              packed=packing is not None) if cfg.pp > 1 else None
     return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
-                         expert_tp_split=expert_tp_split)
+                         expert_tp_split=expert_tp_split, packing=packing)

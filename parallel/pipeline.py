@@ -18,6 +18,10 @@ returns d(loss)/d(aux) = the loss scale for the stage's summed aux loss — exac
 `scale · aux` to the final loss would give. It rides on the activation every schedule already
 differentiates (also the zero-bubble split into input and weight gradients, since the aux graph
 hangs off the stage's own forward), so no schedule can drop it.
+
+Packed documents: the first stage also takes the documents' starts and positions (B, S) of its
+micro-batch (model/packing.py), and every stage but the last passes them on beside its hidden
+states, so each stage masks the micro-batch it is running (no gradient flows through them).
 """
 
 from __future__ import annotations
@@ -118,7 +122,9 @@ def _stage_output_hook(record: StepRecord):
     def hook(module, args, output: ModelOutput):
         record.aux.append(output.aux_loss.detach())
         record.moe.update(output.moe)
-        return _AddAuxLossGrad.apply(output.logits_BSV, output.aux_loss, record.loss_scale)
+        out = _AddAuxLossGrad.apply(output.logits_BSV, output.aux_loss, record.loss_scale)
+        # The packed documents' tensors (args after the input) go on to the next stage.
+        return out if module.head is not None or len(args) == 1 else (out, *args[1:])
 
     return hook
 
@@ -143,12 +149,14 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.num_stages - 1 in self.stage_ids
 
-    def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, loss_scale: float, *, train: bool = True) -> None:
+    def step(self, inputs_BS: torch.Tensor, targets_BS: torch.Tensor, loss_scale: float, *, train: bool = True,
+             extra: tuple[torch.Tensor, ...] = ()) -> None:
         """One pipeline pass over B sequences in M micro-batches; backward too when `train`.
 
         Every rank passes the same (inputs, targets); only the first and last stage use them.
         Gradients accumulate `loss_scale × Σ_micro-batches (CE + aux)`. B × S must be the shape
-        the stages were built for: M micro-batches of `microbatch_BS`.
+        the stages were built for: M micro-batches of `microbatch_BS`. `extra`: the packed
+        documents' (doc_start_BS, positions_BS) over whole sequences, when the stages were built packed.
         """
         b, s = self.microbatch_BS
         want = (b * self.microbatches, s)
@@ -156,19 +164,20 @@ class Pipeline:
             raise ValueError(f"pipeline step: got a batch of shape {tuple(inputs_BS.shape)}, but the stages "
                              f"were built for {want} (micro-batches × sequences, tokens on this rank)")
         self.record.loss_scale = loss_scale
-        args = (inputs_BS,) if self.has_first else ()
+        args = (inputs_BS, *extra) if self.has_first else ()
         kwargs = {"target": targets_BS, "losses": []} if self.has_last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
 
 
 def stage_io(module: Decoder, stage: int, num_stages: int, microbatch_BS: tuple[int, int],
-             cfg: ParallelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+             cfg: ParallelConfig, packed: bool = False) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
     """Example input and output of one micro-batch (b sequences of S/cp tokens on this rank) of
     stage `stage`, as meta tensors, so the schedule never runs a stage on placeholders to learn them.
 
     In: token ids (b, S/cp) on the first stage, else hidden states (b, S/cp, D), split over S by
     tp under sequence parallelism. Out: the same hidden states, or on the last stage its local
-    logits (b, S/cp, V/tp), which are never sent (torch only counts them).
+    logits (b, S/cp, V/tp), which are never sent (torch only counts them). `packed`: every input,
+    and every output but the last stage's, carries the documents' starts and positions (b, S).
     """
     b, s_local = microbatch_BS
     s_hidden = s_local // (cfg.tp if cfg.sequence_parallel else 1)
@@ -179,14 +188,15 @@ def stage_io(module: Decoder, stage: int, num_stages: int, microbatch_BS: tuple[
         return torch.empty(b, s_hidden, d, dtype=dtype, device="meta", requires_grad=True)
 
     inputs = torch.empty(b, s_local, dtype=torch.long, device="meta") if stage == 0 else hidden()
-    outputs = torch.empty(b, s_local, v, dtype=dtype, device="meta", requires_grad=True) \
-        if stage == num_stages - 1 else hidden()
-    return inputs, outputs
+    last = stage == num_stages - 1
+    outputs = torch.empty(b, s_local, v, dtype=dtype, device="meta", requires_grad=True) if last else hidden()
+    docs = tuple(torch.empty(b, s_local * cfg.cp, dtype=torch.long, device="meta") for _ in range(2)) if packed else ()
+    return (inputs, *docs), (outputs, *(() if last else docs))
 
 
 def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: ParallelMesh, cfg: ParallelConfig,
                    device: torch.device, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   microbatch_BS: tuple[int, int]) -> Pipeline:
+                   microbatch_BS: tuple[int, int], packed: bool = False) -> Pipeline:
     """Wrap materialized stage modules into PipelineStages and build the configured schedule.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss of one micro-batch.
@@ -197,7 +207,7 @@ def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: 
     local_BS = (microbatch_BS[0], microbatch_BS[1] // cfg.cp)
     stages = []
     for sid, module in stage_modules.items():
-        inputs, outputs = stage_io(module, sid, num_stages, local_BS, cfg)
+        inputs, outputs = stage_io(module, sid, num_stages, local_BS, cfg, packed)
         stages.append(PipelineStage(module, sid, num_stages, device, input_args=inputs, output_args=outputs,
                                     group=mesh.group("pp")))
 

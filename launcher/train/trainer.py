@@ -44,6 +44,7 @@ from moetron.launcher.train.startup import (
     schedule_warnings,
 )
 from moetron.launcher.train.step_logger import StepLogger
+from moetron.model.packing import Packing
 from moetron.model.transformer import build_model
 from moetron.parallel.expert_bias import clear_expert_counts, update_expert_biases
 from moetron.parallel.expert_shards import ExpertShards
@@ -188,15 +189,17 @@ def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor)
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
-def build_parallel_model(cfg: Config, device: torch.device) -> ParallelModel:
+def build_parallel_model(cfg: Config, device: torch.device, packing: Packing | None = None) -> ParallelModel:
     """This rank's part of the model: built on the meta device, split and sharded for the layout,
-    then materialized with the same initial weights as one process (see moetron.parallel)."""
+    then materialized with the same initial weights as one process (see moetron.parallel).
+    `packing`: keep the documents of each window apart (data.document_mask)."""
     mesh = build_mesh(cfg.parallel, torch.distributed.get_world_size(), device.type)
     p, t = cfg.parallel, cfg.train
     microbatch_BS = (t.batch_size // (p.dp * t.grad_accum * p.microbatches), t.seq_len)
     return parallelize(build_model(cfg.model, device="meta"), mesh, p, seed=t.seed, device=device,
                        cross_entropy=next_token_cross_entropy, compile=t.compile,
-                       activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS)
+                       activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS,
+                       packing=packing)
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
@@ -329,7 +332,10 @@ def _build(cfg: Config, device: torch.device, data: TokenData) -> Components:
     t = cfg.train
     bf16 = use_bf16(cfg, device)
     torch.manual_seed(t.seed)
-    pm = build_parallel_model(cfg, device)
+    d = cfg.data
+    packing = Packing(data.tokenizer.eos_id if d.eod_id is None else d.eod_id, d.reset_positions) \
+        if d.document_mask else None
+    pm = build_parallel_model(cfg, device, packing)
     for part in pm.modules:
         part.set_kernel_backend(cfg.kernel.backend)
     optimizer = optimizer_for(pm, t)

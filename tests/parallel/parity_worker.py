@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.moe import MoELayer
+from moetron.model.packing import Packing
 from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.expert_bias import biased_routers, update_expert_biases
@@ -144,7 +145,17 @@ CASES = {
     "pp2_dp2_ac_full": (dict(pp=2, dp=2, microbatches=2, schedule="1f1b"), {}, 2),
     "pp2_dp2_tp2_ep2_etp2": (dict(pp=2, dp=2, tp=2, ep=2, etp=2, sequence_parallel=True, microbatches=2,
                                   schedule="1f1b"), {}, 1),
+    # Packed documents (PACKED): attention kept inside each, positions restarting per document.
+    "tp2_sp_packed": (dict(tp=2, sequence_parallel=True), {"position": "learned"}, 1),
+    "cp2_packed": (dict(cp=2), {}, 1),
+    "pp2_1f1b_packed": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 2),
+    "pp2_cp2_packed": (dict(pp=2, cp=2, microbatches=2, schedule="1f1b"), {"position": "sinusoidal"}, 1),
 }
+
+# Cases whose windows hold several documents, each closed by EOD (about one token in five).
+EOD = 1
+PACKED = {"tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed", "pp2_cp2_packed"}
+PACKING = Packing(EOD, reset_positions=True)
 
 
 # Cases whose blocks are compiled, as train.compile=true does (the reference stays eager).
@@ -171,9 +182,17 @@ def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.T
     return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
-def batches() -> list[torch.Tensor]:
+def batches(packed: bool = False) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(123)
-    return [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    out = [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    if packed:
+        for b in out:
+            b[torch.rand(b.shape, generator=g) < 0.2] = EOD
+    return out
+
+
+def packed_args(micro_BS1: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
+    return PACKING.model_inputs(micro_BS1[:, :-1]) if packed else ()
 
 
 def global_batch_loads(model, micro: list[torch.Tensor], dp: int) -> list[dict[int, torch.Tensor]]:
@@ -188,7 +207,7 @@ def global_batch_loads(model, micro: list[torch.Tensor], dp: int) -> list[dict[i
     return [{k: sum(counts[r * per_rank + j][k] for r in range(dp)) for k in counts[0]} for j in range(per_rank)]
 
 
-def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int = 1) -> dict:
+def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int = 1, packed: bool = False) -> dict:
     """One process, plain model, SGD, accumulating over `chunks` micro-batches per step.
 
     With the global-batch balance loss the layout's micro-batch j on each dp rank sees the routes
@@ -200,7 +219,7 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
     out = {"ce": [], "aux": [], "counts": [], "grads": None}
     routers = {i: b.ffn.router for i, b in model.layers.items() if isinstance(b.ffn, MoELayer)}
     global_batch = model_cfg.moe.aux_loss_type == "global_batch"
-    for batch in batches():
+    for batch in batches(packed):
         ce_sum = aux_sum = 0.0
         counts = []
         micros = batch.chunk(chunks)
@@ -212,7 +231,7 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
                     if j == 0:  # a dp rank's first micro-batch: its running count starts over
                         router.start_batch()
                     router.hooks.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
-            res = model(micro[:, :-1])
+            res = model(micro[:, :-1], *packed_args(micro, packed))
             ce = cross_entropy(res.logits_BSV, micro[:, 1:])
             ((ce + res.aux_loss) / chunks).backward()
             ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + res.aux_loss.item()
@@ -253,11 +272,13 @@ def run_case(name: str) -> dict:
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
     mb = pcfg.microbatches if pcfg.pp > 1 else 1
     adamw = name in ADAMW
-    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw, dp=pcfg.dp)
+    packed = name in PACKED
+    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw, dp=pcfg.dp, packed=packed)
     mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"),
-                     compile=name in COMPILED, microbatch_BS=(BATCH // (pcfg.dp * grad_accum * mb), SEQ))
+                     compile=name in COMPILED, microbatch_BS=(BATCH // (pcfg.dp * grad_accum * mb), SEQ),
+                     packing=PACKING if packed else None)
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
@@ -274,7 +295,7 @@ def run_case(name: str) -> dict:
         return pcfg.pp == 1 or ran == len(pm.modules) * grad_accum * mb
 
     forwards_ok, eval_err = True, 0.0
-    for step, batch in enumerate(batches()):
+    for step, batch in enumerate(batches(packed)):
         if pcfg.pp > 1:
             # Before the step's update its validation CE is the reference's training CE (no
             # dropout, no jitter); a validation batch holds grad_accum pipeline passes.

@@ -27,13 +27,15 @@ LAUNCHES = {
         "cp2", "cp2_alibi", "cp2_bias_sequence", "tp2_t5", "tp2_sp_t5", "cp2_t5",
         "tp2_sp_ac_selective", "cp2_ac_selective", "ep2_fsdp_ac_full", "ep2_fsdp_ac_selective", "ep2_ddp_ac_selective",
         "pp2_1f1b_ac_selective", "pp2_1f1b_bias_ac_full",
-        "dp2_ddp_global", "ep2_fsdp_global_bias", "pp2_1f1b_global", "ep2_fsdp_global_ac_selective"],
+        "dp2_ddp_global", "ep2_fsdp_global_bias", "pp2_1f1b_global", "ep2_fsdp_global_ac_selective",
+        "tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed"],
     4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved",
         "tp2_sp_ep2_bias", "pp2_dp2_bias", "hsdp2x2", "hsdp2x2_ep2", "zero1_dp4", "zero1_dp4_ep2",
         "tp2_etp2_ep2", "tp2_etp2_ddp", "pp2_tp2_etp2",
         "cp2_tp2_sp", "cp2_ep2", "pp2_cp2", "cp2_dp2_hsdp", "tp2_sp_ep2_ac_selective", "pp2_dp2_ac_full",
         "zero1_dp2_tp2_etp2", "hsdp_dp2_tp2_etp2_ep2",
-        "tp2_sp_ep2_global", "cp2_dp2_global", "pp2_dp2_interleaved_global", "pp2_dp2_global_ac_full"],
+        "tp2_sp_ep2_global", "cp2_dp2_global", "pp2_dp2_interleaved_global", "pp2_dp2_global_ac_full",
+        "pp2_cp2_packed"],
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 # train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch

@@ -9,11 +9,12 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from moetron.launcher.checkpoint.weights import load_model, resolve_checkpoint
 from moetron.launcher.cli.main import main
-from moetron.launcher.config import load_config
+from moetron.launcher.config import ConfigError, load_config
 from moetron.launcher.data.corpus import load_token_data, write_shards
 from moetron.launcher.data.indexed import IndexedWriter
 from moetron.launcher.data.tokenizer import ByteTokenizer
@@ -123,3 +124,21 @@ def test_bad_corpora_and_blends_are_refused_in_one_line(tmp_path, capsys):
     assert proc.stderr == f"moetron train: {no_idx}: {no_idx}.idx missing (a Megatron indexed corpus is " \
                           f"PREFIX.idx + PREFIX.bin; write one with `moetron data prepare`)\n"
     assert not runs.exists()
+
+
+def test_document_mask_keeps_a_corpus_documents_apart(tmp_path):
+    """data.document_mask reaches the model: windows of short documents (each closed by the byte
+    tokenizer's end-of-text id, 256) train to another first loss than the same windows unmasked,
+    and reset_positions without the mask is refused in one line."""
+    docs = [np.frombuffer(t, dtype=np.uint8).astype(np.uint16) for t in (b"ab cd", b"x = 1\n", b"The fox. ")]
+    ids = np.concatenate([np.append(d, ByteTokenizer().eos_id) for d in docs * 200]).astype(np.uint16)
+    prefix = tmp_path / "docs"
+    write_shards(prefix, {"train": ids[:3000], "val": ids[3000:]}, ByteTokenizer())
+    base = [*SMALL, f"data.source={prefix}", f"train.run_dir={tmp_path}", "train.steps=1"]
+    first = {}
+    for name, mask in (("plain", []), ("masked", ["data.document_mask=true", "data.reset_positions=true"])):
+        run = train(load_config(TINY, [*base, f"train.name={name}", *mask]), console=lambda *_: None)
+        first[name] = records(run)[0]["loss"]
+    assert abs(first["plain"] - first["masked"]) > 1e-3
+    with pytest.raises(ConfigError, match=r"^data\.reset_positions = True: needs data\.document_mask: true [^\n]*$"):
+        load_config(TINY, [*base, "data.reset_positions=true"])
