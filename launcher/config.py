@@ -94,6 +94,10 @@ class TrainConfig:
     # peak from a table, or on CPU a matmul peak measured once and cached.
     peak_tflops: float = 0.0
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # "clm": predict each next token (a decoder); "mlm": BERT's masked-language modelling — 15% of
+    # positions scored, their inputs masked (80%), replaced by a random token (10%) or kept (10%),
+    # with a mask token past the tokenizer's vocabulary (an encoder: model.causal false).
+    objective: Literal["clm", "mlm"] = "clm"
 
     def problems(self) -> list[Problem]:
         out: list[Problem] = []
@@ -461,6 +465,11 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
         out.append(("parallel.tp", p.tp, f"must divide the KV heads ({m.kv_heads})"))
     if m.vocab_size % p.tp:
         out.append(("parallel.tp", p.tp, f"must divide model.vocab_size ({m.vocab_size})"))
+    if (t.objective == "mlm") == m.causal:
+        out.append(("train.objective", t.objective, "mlm needs model.causal: false (an encoder) and clm needs "
+                                                    "model.causal: true (a bidirectional model sees the token it must predict)"))
+    if cfg.data.document_mask and not m.causal:
+        out.append(("data.document_mask", True, "needs model.causal: true (an encoder's documents are its windows)"))
     if cfg.data.eod_id is not None and cfg.data.eod_id >= m.vocab_size:
         out.append(("data.eod_id", cfg.data.eod_id, f"must be a token id below model.vocab_size ({m.vocab_size})"))
     if m.qk_norm != "none" and p.tp > 1:

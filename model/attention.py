@@ -97,8 +97,10 @@ class Attention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, head_dim: int, *,
                  backend: str = "sdpa", bias: bool = False, dropout: float = 0.0,
-                 qk_norm: str = "none", norm_eps: float = 1e-5):
+                 qk_norm: str = "none", norm_eps: float = 1e-5, causal: bool = True):
         super().__init__()
+        # False: a bidirectional encoder's attention (no mask; no KV cache, which only decoding needs).
+        self.causal = causal
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.backend = backend
         # Which flash-attention implementation the "triton" backend runs; None: automatic.
@@ -177,33 +179,33 @@ class Attention(nn.Module):
         if self.backend == "triton":
             from moetron.kernels.flash_attention import flash_attention
 
-            return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=True, alibi_slopes_H=slopes_H,
+            return flash_attention(q_BHSDh, k_BGLDh, v_BGLDh, causal=self.causal, alibi_slopes_H=slopes_H,
                                    softmax_scale=self.scale, doc_start_BS=doc_start_BL, backend=self.kernel_backend)
         if doc_start_BL is not None:
             return self._attend_at(q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, None, None, doc_start_BL)
         if self.backend == "sdpa" and slopes_H is None and S == L:
             return F.scaled_dot_product_attention(
-                q_BHSDh, k_BGLDh, v_BGLDh, is_causal=True, scale=self.scale,
+                q_BHSDh, k_BGLDh, v_BGLDh, is_causal=self.causal, scale=self.scale,
                 enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
-        bias = attention_bias(S, L, causal=True, slopes_H=slopes_H, device=q_BHSDh.device)
+        bias = attention_bias(S, L, causal=self.causal, slopes_H=slopes_H, device=q_BHSDh.device)
         if self.backend == "sdpa":
             return F.scaled_dot_product_attention(
-                q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=bias.to(q_BHSDh.dtype), scale=self.scale,
-                enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
+                q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=None if bias is None else bias.to(q_BHSDh.dtype),
+                scale=self.scale, enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
         return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
 
     def _attend_at(self, q_BHSDh, k_BGLDh, v_BGLDh, slopes_H, q_positions_S, t5_bias=None,
                    doc_start_BL=None) -> torch.Tensor:
         """Queries at global positions `q_positions_S` (None: the last S of the keys) over keys at
         positions 0..L−1, with the bias materialized: eager, else SDPA with it as the mask."""
-        bias = attention_bias(q_BHSDh.shape[2], k_BGLDh.shape[2], causal=True, slopes_H=slopes_H,
+        bias = attention_bias(q_BHSDh.shape[2], k_BGLDh.shape[2], causal=self.causal, slopes_H=slopes_H,
                               device=q_BHSDh.device, q_positions_S=q_positions_S, t5_bias=t5_bias,
                               doc_start_BL=doc_start_BL)
         if self.backend == "eager":
             return eager_attention(q_BHSDh, k_BGLDh, v_BGLDh, bias, self.scale)
         return F.scaled_dot_product_attention(
-            q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=bias.to(q_BHSDh.dtype), scale=self.scale,
-            enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
+            q_BHSDh, k_BGLDh, v_BGLDh, attn_mask=None if bias is None else bias.to(q_BHSDh.dtype),
+            scale=self.scale, enable_gqa=q_BHSDh.shape[1] != k_BGLDh.shape[1])
 
     def init_weights(self, std: float, out_std: float) -> None:
         for norm in (self.q_norm, self.k_norm):

@@ -118,6 +118,8 @@ class ModelConfig:
     norm_eps: float = 1e-5
     # "pre": x + f(norm(x)) (GPT-2 onward); "post": norm(x + f(x)) (Vaswani et al. 2017).
     norm_position: Literal["pre", "post"] = "pre"
+    # false: every position attends to every other (a bidirectional encoder, as BERT), no causal mask.
+    causal: bool = True
     # "t5": T5's relative position bias, one learned bias per (offset bucket, head), shared by all layers.
     position: Literal["rope", "alibi", "sinusoidal", "learned", "t5", "none"] = "rope"
     # T5 buckets: half exact offsets 0..num_buckets/2−1, half log-spaced up to max_distance (T5: 32, 128).
@@ -193,6 +195,9 @@ class ModelConfig:
             elif self.t5_max_distance <= self.t5_num_buckets // 2:
                 out.append(("t5_max_distance", self.t5_max_distance,
                             f"must exceed t5_num_buckets // 2 ({self.t5_num_buckets // 2}), the exact buckets"))
+        if not self.causal and self.position in ("alibi", "t5"):
+            # Both biases here are the decoder's one-sided ones (T5's causal buckets, ALiBi's past-only penalty).
+            out.append(("position", self.position, "must be rope, learned, sinusoidal or none with causal: false"))
         if not 0.0 <= self.dropout < 1.0:
             out.append(("dropout", self.dropout, "must be in [0, 1)"))
         if self.norm_eps <= 0 or self.init_std <= 0:

@@ -100,6 +100,8 @@ def generate(
     """
     for key, value, rule in sampling.problems():
         raise ValueError(f"sampling {key} = {value!r}: {rule}")
+    if not model.cfg.causal:
+        raise ValueError("generate needs a decoder: this model has model.causal = false (a bidirectional encoder)")
     B, S = prompt_BS.shape
     if S < 1:
         raise ValueError("generate needs a prompt of at least one token")

@@ -47,7 +47,7 @@ class Block(nn.Module):
         self.attn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head,
                               backend=cfg.attention, bias=cfg.bias, dropout=cfg.dropout,
-                              qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps)
+                              qk_norm=cfg.qk_norm, norm_eps=cfg.norm_eps, causal=cfg.causal)
         self.ffn_norm = build_norm(cfg.norm, cfg.d_model, cfg.norm_eps)
         self.ffn = MoELayer(cfg) if cfg.is_moe_layer(layer) else FeedForward(
             cfg.d_model, cfg.d_ff, cfg.activation, cfg.bias, cfg.dropout)

@@ -100,6 +100,9 @@ class ParallelModel:
     expert_tp_split: dict[str, int] = field(default_factory=dict)
     # Documents packed into each sequence are kept apart (model/packing.py); None: one stream.
     packing: Packing | None = None
+    # Windows carry their own targets, (B, 2, S) inputs and targets (a masked-LM objective),
+    # instead of next-token windows (B, S + 1).
+    targets_given: bool = False
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -133,8 +136,9 @@ class ParallelModel:
         None (all of them) without context parallelism, else its two chunks of `split_sequence`,
         each with one more token for the last target. A window read as these pieces, (B, 2, C + 1),
         goes to `local_window` in place of the whole one."""
-        if self.cfg.cp == 1 or self.packing is not None:
-            # Packed documents: where a document begins may lie in another rank's chunk.
+        if self.cfg.cp == 1 or self.packing is not None or self.targets_given:
+            # Packed documents: where a document begins may lie in another rank's chunk; given
+            # targets: the windows are corrupted whole.
             return None
         cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
         if seq_len % (2 * cp):
@@ -145,10 +149,14 @@ class ParallelModel:
     def local_window(self, micro_BS1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets at this rank's positions: of (B, S + 1) whole windows all
         S, or under context parallelism its two load-balanced chunks (context_parallel.py); of
-        (B, P, L) pieces already cut by `window_spans`, the L − 1 inputs and targets of each."""
-        if micro_BS1.dim() == 3:
+        (B, P, L) pieces already cut by `window_spans`, the L − 1 inputs and targets of each; of
+        (B, 2, S) windows with their targets given (`targets_given`), those, at this rank's positions."""
+        if self.targets_given:
+            inputs_BS, targets_BS = micro_BS1[:, 0], micro_BS1[:, 1]
+        elif micro_BS1.dim() == 3:
             return micro_BS1[..., :-1].flatten(1), micro_BS1[..., 1:].flatten(1)
-        inputs_BS, targets_BS = micro_BS1[:, :-1], micro_BS1[:, 1:]
+        else:
+            inputs_BS, targets_BS = micro_BS1[:, :-1], micro_BS1[:, 1:]
         if self.cfg.cp == 1:
             return inputs_BS, targets_BS
         cp, cp_rank = self.cfg.cp, self.mesh.rank("cp")
@@ -252,15 +260,29 @@ def _reset(record: StepRecord) -> None:
     record.moe.clear()
 
 
+def _stages(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, record: StepRecord) -> dict[int, Decoder]:
+    """The pipeline stages this rank runs, by stage id (the whole model as stage 0 without PP)."""
+    if cfg.pp == 1:
+        return {0: meta_model}
+    num_stages = cfg.pp * cfg.vpp
+    parts = {s: split_stage(meta_model, s, num_stages) for s in stages_of_rank(mesh.rank("pp"), cfg)}
+    for part in parts.values():
+        attach_stage_output(part, record)
+    return parts
+
+
 def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
                 cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False,
-                microbatch_BS: tuple[int, int] | None = None, packing: Packing | None = None) -> ParallelModel:
+                microbatch_BS: tuple[int, int] | None = None, packing: Packing | None = None,
+                targets_given: bool = False) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
     under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
     microbatch_BS: sequences and tokens of one pipeline micro-batch on this dp rank (pp > 1 only):
     train.batch_size / (dp × grad_accum × microbatches) and train.seq_len.
+    packing: keep packed documents apart (model/packing.py). targets_given: batches are (B, 2, S)
+    inputs and targets (a masked-LM objective) rather than next-token windows (B, S + 1).
     """
     if cfg.pp > 1 and microbatch_BS is None:
         raise ValueError("parallelize: a pipeline (pp > 1) needs microbatch_BS, the (sequences, tokens) "
@@ -269,13 +291,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         raise ValueError("parallelize expects a model built on the meta device (build_model(cfg, device='meta'))")
     full_meta = copy.deepcopy(meta_model)
     record = StepRecord()
-    if cfg.pp > 1:
-        num_stages = cfg.pp * cfg.vpp
-        parts = {s: split_stage(meta_model, s, num_stages) for s in stages_of_rank(mesh.rank("pp"), cfg)}
-        for part in parts.values():
-            attach_stage_output(part, record)
-    else:
-        parts = {0: meta_model}
+    parts = _stages(meta_model, mesh, cfg, record)
     expert_sharded: set[str] = set()
     expert_tp_split: dict[str, int] = {}
     for part in parts.values():
@@ -310,4 +326,4 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
     pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy, microbatch_BS,
                               packed=packing is not None) if cfg.pp > 1 else None
     return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
-                         expert_tp_split=expert_tp_split, packing=packing)
+                         expert_tp_split=expert_tp_split, packing=packing, targets_given=targets_given)

@@ -51,6 +51,9 @@ def run(args) -> int:
     ckpt = resolve_checkpoint(args.path)
     # Refuse impossible lengths from the config alone, before weights or data are read.
     cfg = with_model_overrides(checkpoint_config(ckpt), args.overrides)
+    if not cfg.model.causal:
+        raise ConfigError("moetron eval scores next-token loss by length, which needs a decoder: this checkpoint is "
+                          "an encoder (model.causal false); its masked-token val_loss is in the run's metrics.jsonl")
     for problem in length_problems(cfg.model, lengths):
         raise ConfigError(problem)
 

@@ -38,6 +38,9 @@ def checked_data(cfg: Config) -> TokenData:
     if data.vocab_size > vocab:
         raise ConfigError(f"model.vocab_size = {vocab}: must be >= the tokenizer's "
                           f"vocabulary ({data.vocab_size}, {data.tokenizer.name})")
+    if cfg.train.objective == "mlm" and data.vocab_size == vocab:
+        raise ConfigError(f"model.vocab_size = {vocab}: train.objective mlm adds a mask token past the tokenizer's "
+                          f"{vocab} ids: set model.vocab_size >= {vocab + 1}")
     for source in data.sources:
         where = f"data.source = {d.source!r}" if d.blend is None else f"data.blend source {source.prefix!r}"
         for split, shards in (("train", source.train), ("validation", source.val)):

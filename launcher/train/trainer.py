@@ -29,6 +29,7 @@ from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distr
 from moetron.launcher.config import Config, validate_launch
 from moetron.launcher.data.blend import BlendSampler, blend_sampler, blend_validation_batches
 from moetron.launcher.data.corpus import TokenData
+from moetron.launcher.data.mlm import MaskedLM
 from moetron.launcher.run_dir import RunDir, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
@@ -146,6 +147,8 @@ class Components:
     # Routed experts are plain pieces per ep (and, with etp = tp, tp) rank; the checkpoint stores
     # each weight as one tensor.
     expert_shards: ExpertShards | None
+    # train.objective mlm: how windows become corrupted inputs and their targets.
+    mlm: MaskedLM | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -199,7 +202,7 @@ def build_parallel_model(cfg: Config, device: torch.device, packing: Packing | N
     return parallelize(build_model(cfg.model, device="meta"), mesh, p, seed=t.seed, device=device,
                        cross_entropy=next_token_cross_entropy, compile=t.compile,
                        activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS,
-                       packing=packing)
+                       packing=packing, targets_given=t.objective == "mlm")
 
 
 def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: torch.Tensor, *,
@@ -311,7 +314,10 @@ def _step(parts: Components, state: TrainState, meter) -> tuple[float, StepResul
     set_lr(parts.optimizer, lr)
     # Only this rank's rows and positions are read and moved; the sampler passes the whole batch.
     pm = parts.pm
-    batch = parts.sampler.next_batch(t.batch_size, pm.batch_rows(t.batch_size), pm.window_spans(t.seq_len))
+    rows = pm.batch_rows(t.batch_size)
+    batch = parts.sampler.next_batch(t.batch_size, rows, pm.window_spans(t.seq_len))
+    if parts.mlm is not None:
+        batch = parts.mlm.pairs(batch, state.step, rows, t.batch_size)
     batch = batch.to(parts.device)
     step_t0 = time.perf_counter()
     tokens = t.batch_size * t.seq_len
@@ -342,7 +348,11 @@ def _build(cfg: Config, device: torch.device, data: TokenData) -> Components:
     sampler = blend_sampler(data.sources, "train", t.seq_len, t.seed)
     val_batches = blend_validation_batches(data.sources, t.seq_len, t.batch_size, t.eval_batches,
                                            rows=pm.batch_rows, spans=pm.window_spans(t.seq_len))
-    return Components(cfg, pm, optimizer, sampler, val_batches, device, bf16, pm.expert_shards())
+    mlm = MaskedLM(data.vocab_size, t.seed) if t.objective == "mlm" else None
+    if mlm is not None:  # the same corruption at every evaluation
+        rows = pm.batch_rows(t.batch_size)
+        val_batches = [mlm.pairs(b, -1 - i, rows, t.batch_size) for i, b in enumerate(val_batches)]
+    return Components(cfg, pm, optimizer, sampler, val_batches, device, bf16, pm.expert_shards(), mlm)
 
 
 def _start_state(parts: Components, run: RunDir, console) -> tuple[TrainState, RunDir]:

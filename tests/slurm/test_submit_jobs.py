@@ -134,8 +134,9 @@ def reference(env, workdir) -> Job:
 
 
 def test_status_logs_and_cancel_on_live_jobs(reference, env, workdir):
-    # A second job waits for the node the first one holds (or has just started); it is cancelled.
-    waiting = Job("cancelled", TWO_RANKS, ["--time", "10"], env, workdir)
+    # A second job waits for the node the first one holds (or has just started); it is cancelled. It
+    # is far longer than the reference, so a slow machine cannot let it finish before the cancel.
+    waiting = Job("cancelled", [*TWO_RANKS, "train.steps=100000"], ["--time", "10"], env, workdir)
     reference.wait_for_step(5)
     listing = moetron(["status"], env, workdir).stdout
     assert reference.id in listing and str(reference.run) in listing and waiting.id in listing
