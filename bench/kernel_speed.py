@@ -55,7 +55,7 @@ def _gemm(m, n, k, group, warps, stages):
 
 def tune_candidates(dry_run: bool) -> dict:
     """Candidate tiles per kernel: around the shipped ones, within Hopper's 227 KiB of shared memory."""
-    from moetron.kernels.flash_attention_triton import AttnConfig
+    from moetron.kernels.attention_tiles import AttnConfig
 
     if dry_run:
         return {"forward": [_gemm(32, 32, 32, 2, 4, 1), _gemm(16, 32, 32, 1, 4, 1)],
@@ -264,11 +264,8 @@ def dense_reference(pass_name, x, w, dy, offsets_E):
 def bench_attention(seq_len: int, timer, device, backend: str, tune: dict | None, dry_run: bool) -> tuple[list, list]:
     from torch.nn.functional import scaled_dot_product_attention
 
-    from moetron.kernels.flash_attention_triton import (
-        attention_configs,
-        flash_attention_bwd_triton,
-        flash_attention_fwd_triton,
-    )
+    from moetron.kernels.attention_tiles import attention_configs
+    from moetron.kernels.flash_attention_triton import flash_attention_bwd_triton, flash_attention_fwd_triton
 
     heads, head_dim, tokens = DRY_ATTN if dry_run else (ATTN_HEADS, ATTN_HEAD_DIM, ATTN_TOKENS)
     B, H, S, D = max(1, tokens // seq_len), heads, seq_len, head_dim
@@ -319,7 +316,7 @@ def bench_attention(seq_len: int, timer, device, backend: str, tune: dict | None
 def _tune_attention(tune: dict, shape: str, fwd, bwd, o_ref, grads_ref, flops_fwd: float, timer, shipped) -> list:
     """The attention tile sweep: the forward, then dK/dV with the shipped dQ tile, then dQ with the
     shipped dK/dV tile, each candidate checked against SDPA's output or gradients."""
-    from moetron.kernels.flash_attention_triton import AttnConfigs
+    from moetron.kernels.attention_tiles import AttnConfigs
 
     tuning = _tune("attn_fwd", shape, "fwd", tune["attn_fwd"], lambda c: fwd(c)[0], o_ref, flops_fwd, timer,
                    shipped.fwd)

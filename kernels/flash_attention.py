@@ -1,4 +1,4 @@
-"""Scaled dot-product attention with causal masking, grouped-query heads and ALiBi.
+"""Scaled dot-product attention with causal masking, grouped-query heads, ALiBi and packed documents.
 
 Legend: B batch, H query heads, G key/value heads (H % G == 0; query head h reads KV head
 h // (H // G)), S_Q query positions, S_K key positions, D head dim.
@@ -7,6 +7,14 @@ Positions: key j sits at j, query i at i + max(S_K - S_Q, 0): with a KV cache (S
 queries are the last S_Q positions; with S_Q >= S_K queries and keys both start at 0.
 Causal masking hides keys after the query's position. ALiBi adds slope_h * (j - pos_i) to the
 scaled logit of query i and key j (a penalty growing with distance into the past).
+
+Documents ("varlen" packing): a training sequence may hold several documents, and attention
+must not cross from one into another. `doc_start_BS` (B, S_K) gives, for each position j, the
+position where the document holding j begins — the sequence-start offsets `cu_seqlens` of varlen
+flash attention, spread over positions (model/packing.py builds it). Query i (at pos_i) sees key
+j iff doc_start[b, pos_i] <= j <= pos_i. Starts must be non-decreasing along S with
+doc_start[b, j] <= j; that is not checked (it would synchronize with the device): the Triton
+kernels rely on it to skip the tiles of other documents, which is where varlen's speed comes from.
 
 Layers: Triton kernels (flash_attention_triton) → the ops `moetron::flash_attention_fwd` (returns
 the output and the logsumexp) and `moetron::flash_attention_bwd` (custom ops with fake
@@ -26,8 +34,9 @@ from moetron.kernels.backend import resolve_backend
 from moetron.kernels.measured_backends import PASSES
 
 
-def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct):
-    """Scaled logits s_BHQK in dtype `ct`, ALiBi added and the causal mask applied (-inf)."""
+def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS=None):
+    """Scaled logits s_BHQK in dtype `ct`, ALiBi added, the causal mask and the mask of keys before
+    each query's document start applied (-inf)."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     q_BGRSD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
@@ -39,6 +48,9 @@ def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct):
         s_BHQK = s_BHQK + alibi_slopes_H.to(ct)[:, None, None] * distance_QK
     if causal:
         s_BHQK = s_BHQK.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    if doc_start_BS is not None:
+        before_BQK = pos_k[None, None, :] < doc_start_BS[:, pos_q][:, :, None]
+        s_BHQK = s_BHQK.masked_fill(before_BQK[:, None], float("-inf"))
     return s_BHQK
 
 
@@ -54,6 +66,7 @@ def flash_attention_reference(
     alibi_slopes_H: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    doc_start_BS: torch.Tensor | None = None,
 ):
     """Plain eager attention, differentiable, any float dtype (computed in fp32, or fp64 for
     fp64 inputs). K/V heads are broadcast over their query heads, never copied. Returns o_BHSD,
@@ -62,20 +75,21 @@ def flash_attention_reference(
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     ct = _compute_dtype(q_BHSD.dtype)
-    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS)
     lse_BHS = torch.logsumexp(s_BHQK, dim=-1)
     p_BGRQK = torch.exp(s_BHQK - lse_BHS[..., None]).reshape(B, G, H // G, S_Q, S_K)
     o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D).to(q_BHSD.dtype)
     return (o_BHSD, lse_BHS.float()) if return_lse else o_BHSD
 
 
-def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale):
+def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale,
+                                       doc_start_BS=None):
     """(dq_BHSD, dk_BGSD, dv_BGSD) of flash_attention_reference by the softmax backward formulas,
     recomputing the probabilities (no autograd: it runs inside a custom op, below autograd)."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     ct = _compute_dtype(q_BHSD.dtype)
-    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct, doc_start_BS)
     p_BGRQK = torch.softmax(s_BHQK, dim=-1).reshape(B, G, H // G, S_Q, S_K)
     do_BGRQD = do_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
     q_BGRQD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
@@ -96,17 +110,20 @@ def _pass_backend(backend: str, pass_: str, q_BHSD: torch.Tensor) -> str:
 def _fwd_op(
     q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, causal: bool,
     alibi_slopes_H: torch.Tensor | None, softmax_scale: float, backend: str,
+    doc_start_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     backend = _pass_backend(backend, "fwd", q_BHSD)
     if backend == "torch":
-        return flash_attention_reference(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, True)
+        return flash_attention_reference(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, True,
+                                         doc_start_BS)
     from moetron.kernels.flash_attention_triton import flash_attention_fwd_triton
 
-    return flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend)
+    return flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
+                                      doc_start_BS=doc_start_BS)
 
 
 @_fwd_op.register_fake
-def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend):
+def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS=None):
     B, H, S_Q, D = q_BHSD.shape
     return q_BHSD.new_empty(B, H, S_Q, D), q_BHSD.new_empty(B, H, S_Q, dtype=torch.float32)
 
@@ -115,40 +132,59 @@ def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend):
 def _bwd_op(
     do_BHSD: torch.Tensor, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
     o_BHSD: torch.Tensor, lse_BHS: torch.Tensor, causal: bool, alibi_slopes_H: torch.Tensor | None,
-    softmax_scale: float, backend: str,
+    softmax_scale: float, backend: str, doc_start_BS: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     backend = _pass_backend(backend, "bwd", q_BHSD)
     if backend == "torch":
         return flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                  softmax_scale)
+                                                  softmax_scale, doc_start_BS)
     from moetron.kernels.flash_attention_triton import flash_attention_bwd_triton
 
     return flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
-                                      softmax_scale, backend)
+                                      softmax_scale, backend, doc_start_BS=doc_start_BS)
 
 
 @_bwd_op.register_fake
-def _(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H, softmax_scale, backend):
+def _(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H, softmax_scale, backend,
+      doc_start_BS=None):
     return torch.empty_like(q_BHSD), torch.empty_like(k_BGSD), torch.empty_like(v_BGSD)
 
 
 def _setup_context(ctx, inputs, output):
-    q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend = inputs
+    q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS = inputs
     o_BHSD, lse_BHS = output
-    ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H)
+    ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS)
     ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
 
 
 def _backward(ctx, do_BHSD, dlse_BHS):
     # The logsumexp is an auxiliary output for the backward pass; its gradient is not propagated
     # (flash_attention returns only the attention output).
-    q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H = ctx.saved_tensors
+    q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS = ctx.saved_tensors
     dq, dk, dv = _bwd_op(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, ctx.causal, alibi_slopes_H,
-                         ctx.softmax_scale, ctx.backend)
-    return dq, dk, dv, None, None, None, None
+                         ctx.softmax_scale, ctx.backend, doc_start_BS)
+    return dq, dk, dv, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _check_doc_start(doc_start_BS: torch.Tensor, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, causal: bool) -> None:
+    """One-line ValueErrors for a doc_start_BS that cannot mask these q and k."""
+    B, S_Q, S_K = q_BHSD.shape[0], q_BHSD.shape[2], k_BGSD.shape[2]
+    if not causal:
+        raise ValueError("flash_attention: doc_start_BS masks documents within causal attention; pass causal=True")
+    if doc_start_BS.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"flash_attention: doc_start_BS must be int32 or int64, got {doc_start_BS.dtype}")
+    if tuple(doc_start_BS.shape) != (B, S_K):
+        raise ValueError(f"flash_attention: doc_start_BS must have shape (B, S_K) = ({B}, {S_K}), "
+                         f"got {tuple(doc_start_BS.shape)}")
+    if doc_start_BS.device != q_BHSD.device:
+        raise ValueError(f"flash_attention: doc_start_BS must be on q's device {q_BHSD.device}, "
+                         f"got {doc_start_BS.device}")
+    if S_Q > S_K:
+        # A query past the last key would have no entry in doc_start_BS to say where its document begins.
+        raise ValueError(f"flash_attention: doc_start_BS needs S_Q <= S_K, got S_Q={S_Q}, S_K={S_K}")
 
 
 def flash_attention(
@@ -159,11 +195,14 @@ def flash_attention(
     alibi_slopes_H: torch.Tensor | None = None,
     softmax_scale: float | None = None,
     *,
+    doc_start_BS: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """o_BHSD = softmax(scale * q k^T + alibi, causal mask) v, differentiable in q, k and v.
+    """o_BHSD = softmax(scale * q k^T + alibi, causal and document mask) v, differentiable in q, k and v.
 
-    `softmax_scale` defaults to 1/sqrt(D). `backend`: None or "auto" picks, for the forward and
+    `softmax_scale` defaults to 1/sqrt(D). `doc_start_BS`: int32 or int64 (B, S_K) on q's device,
+    where the document of each key position begins (module docstring); only with causal=True and
+    S_Q <= S_K. `backend`: None or "auto" picks, for the forward and
     the backward each, the path recorded for this CUDA device (Triton where unmeasured; see
     kernels/measured_backends.py) and torch elsewhere; "interpret" runs the Triton kernels on CPU
     (tests). The Triton path takes fp32, fp16 and bf16 with head dims 32, 64 or 128; the torch
@@ -184,6 +223,8 @@ def flash_attention(
         raise ValueError(f"flash_attention: dtypes differ: {q_BHSD.dtype}, {k_BGSD.dtype}, {v_BGSD.dtype}")
     if alibi_slopes_H is not None and tuple(alibi_slopes_H.shape) != (H,):
         raise ValueError(f"flash_attention: alibi_slopes_H must have shape ({H},), got {tuple(alibi_slopes_H.shape)}")
+    if doc_start_BS is not None:
+        _check_doc_start(doc_start_BS, q_BHSD, k_BGSD, causal)
     request = "auto" if backend is None else backend
     kernels = sorted({resolve_backend(request, q_BHSD.device, "attention", p, q_BHSD.dtype)
                       for p in PASSES["attention"]} - {"torch"})
@@ -193,5 +234,5 @@ def flash_attention(
         if k_BGSD.shape[2] == 0:
             raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, request)
+    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, request, doc_start_BS)
     return o_BHSD

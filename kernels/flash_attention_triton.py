@@ -12,63 +12,28 @@ Inside the kernels logits are in base 2 (scaled by log2(e)) so the exponentials 
 logsumexp the kernels exchange with the op layer is in natural log, as torch.logsumexp gives.
 Tiles that no mask can touch run without one (the MASK constexpr), which is most of them.
 
+Documents (the DOCS constexpr; kernels/flash_attention.py defines doc_start): query i sees key j
+only if j >= start_i, the first position of its document. A query tile skips the key tiles wholly
+before the smallest start among its rows (varlen's saving) and masks those before the largest;
+a key tile in dK/dV walks only the queries of documents that reach it, found by a binary search
+over the non-decreasing starts, and masks those whose document begins inside it. With DOCS off
+the kernels compile exactly as without documents.
+
 This module imports triton; the op layer (flash_attention.py) imports it only when a Triton
 backend runs, so `import moetron.kernels` works where triton is absent.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from moetron.kernels.attention_tiles import SHIPPED_CONFIGS, AttnConfig, AttnConfigs, attention_configs
 from moetron.kernels.backend import device_guard, upcast
 from moetron.kernels.kernel_spec import KernelSpec
 
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class AttnConfig:
-    BLOCK_M: int  # query rows per tile
-    BLOCK_N: int  # key rows per tile
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class AttnConfigs:
-    fwd: AttnConfig
-    dkdv: AttnConfig  # a program owns BLOCK_N keys and walks over the queries
-    dq: AttnConfig  # a program owns BLOCK_M queries and walks over the keys
-
-
-# Shipped for Hopper, by (element size, head dim); every one is compiled for sm_90 by the tests.
-# Forward tiles follow Triton's fused-attention tutorial on H100. The 16-bit backward tiles were
-# tuned on an H200 (bench/kernel_speed.py --tune, causal, D=128, S 2048-8192): dK/dV over 32x64
-# tiles ran the whole backward 2.6-2.7x faster than the tutorial's 32x128 with 5 stages, and dQ
-# over 128x64 with 8 warps 1.05x; D=32/64 take the same dK/dV tile (untimed). fp32 (tf32) and
-# the largest head dims take smaller tiles to stay inside 227 KiB of shared memory.
-SHIPPED_CONFIGS = {
-    (2, 32): AttnConfigs(AttnConfig(128, 64, 4, 4), AttnConfig(32, 64, 4, 4), AttnConfig(128, 32, 4, 5)),
-    (2, 64): AttnConfigs(AttnConfig(128, 64, 4, 4), AttnConfig(32, 64, 4, 4), AttnConfig(128, 32, 4, 5)),
-    (2, 128): AttnConfigs(AttnConfig(128, 64, 8, 3), AttnConfig(32, 64, 4, 4), AttnConfig(128, 64, 8, 3)),
-    (4, 32): AttnConfigs(AttnConfig(64, 64, 4, 3), AttnConfig(32, 64, 4, 3), AttnConfig(64, 32, 4, 3)),
-    (4, 64): AttnConfigs(AttnConfig(64, 64, 4, 3), AttnConfig(32, 64, 4, 3), AttnConfig(64, 32, 4, 3)),
-    (4, 128): AttnConfigs(AttnConfig(64, 32, 4, 2), AttnConfig(32, 64, 4, 2), AttnConfig(64, 32, 4, 2)),
-}
-HEAD_DIMS = (32, 64, 128)
-# Under the interpreter small tiles let small test shapes cover several tiles and ragged edges.
-_SMALL = AttnConfig(32, 32, 4, 1)
-INTERPRET_CONFIGS = AttnConfigs(_SMALL, _SMALL, _SMALL)
-
-
-def attention_configs(head_dim: int, dtype: torch.dtype, interpret: bool) -> AttnConfigs:
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"flash_attention: the Triton kernels take head dims {HEAD_DIMS}, got {head_dim}")
-    return INTERPRET_CONFIGS if interpret else SHIPPED_CONFIGS[(dtype.itemsize, head_dim)]
 
 
 @triton.jit
@@ -104,28 +69,61 @@ def _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_n, pos_q, S_K, CAUSAL: tl.constexpr):
-    """Which (query, key) pairs of a tile exist and may be attended → (BLOCK_M, BLOCK_N) bool."""
+def _visible(offs_n, pos_q, start_q, S_K, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
+    """Which (query, key) pairs of a tile exist and may be attended → (BLOCK_M, BLOCK_N) bool;
+    `start_q` (BLOCK_M,) is each query's document start, read only when DOCS."""
     visible = offs_n[None, :] < S_K
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= pos_q[:, None])
+    if DOCS:
+        visible = visible & (offs_n[None, :] >= start_q[:, None])
     return visible
 
 
 @triton.jit
-def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale, S_K,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+def _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N: tl.constexpr):
+    """For a query tile with documents → (start_q, n_lo, n_doc): each row's document start (rows
+    where `rows` is false read 0); the first key tile any row sees; the first key tile from which
+    every row's document has begun, so that no document mask touches it."""
+    start_q = tl.load(doc_base + pos_q, mask=rows, other=0)
+    lo = tl.min(tl.where(rows, start_q, 2147483647), 0)
+    n_lo = (max(lo, 0) // BLOCK_N) * BLOCK_N
+    n_doc = max(n_lo, tl.cdiv(max(tl.max(start_q, 0), 0), BLOCK_N) * BLOCK_N)
+    return start_q, n_lo, n_doc
+
+
+@triton.jit
+def _first_start_after(doc_base, key, lo, hi):
+    """The first position p in [lo, hi) whose document starts after `key`, else hi: a binary
+    search, as the starts are non-decreasing."""
+    hi = max(hi, lo)  # a tensor, as the loop needs, even where Triton passed hi as the constant 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        after = tl.load(doc_base + mid) > key
+        lo = tl.where(after, lo, mid + 1)
+        hi = tl.where(after, mid, hi)
+    return lo
+
+
+@triton.jit
+def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
+        qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
         v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         if MASK:
-            s = tl.where(_visible(offs_n, pos_q, S_K, CAUSAL), s, float("-inf"))
+            s = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, DOCS), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_ref = m_new
+        if DOCS:
+            # A row whose document begins after this tile has no key in it; while its running max
+            # is still -inf, exp2(-inf - -inf) would be NaN. Any finite reference gives p = 0, alpha = 0.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_ref[:, None])
+        alpha = tl.math.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
@@ -133,12 +131,31 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
+def _attn_fwd_docs(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
+        slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
+        UPCAST: tl.constexpr):
+    """The key tiles of one causal query tile with documents: none before n_lo; masked up to n_doc
+    (documents begin inside) and from n_full (the diagonal, the end of the keys); unmasked between."""
+    start_q, n_lo, n_doc = _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_doc, n_full),
+                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI,
+                                    UPCAST, True)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_doc, n_full, pos_q,
+                                    start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST,
+                                    False)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi,
+                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI,
+                                    UPCAST, True)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-        stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os,
+        stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os, stride_db,
         H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -169,10 +186,16 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr,
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2,
-                                    qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
-    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
-                                    qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
+    if DOCS:
+        acc, l_i, m_i = _attn_fwd_docs(acc, l_i, m_i, q, k_base, v_base, doc_start_ptr + b.to(tl.int64) * stride_db,
+                                       stride_ks, stride_vs, n_full, n_hi, pos_q, offs_m < S_Q, slope2, qk_scale, S_K,
+                                       HEAD_DIM, BLOCK_N, ALIBI, UPCAST)
+    else:
+        acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
+                                        slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
+        acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q,
+                                        pos_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST,
+                                        False)
 
     o = acc / l_i[:, None]
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
@@ -199,10 +222,10 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, strid
 
 
 @triton.jit
-def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride_qs, stride_dos, m_lo, m_hi,
-        offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
+def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
+        m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, stride_qs, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
@@ -218,6 +241,9 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
             visible = offs_m[None, :] < S_Q
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= pos_q[None, :])
+            if DOCS:
+                start_q = tl.load(doc_base + pos_q, mask=offs_m < S_Q, other=0)
+                visible = visible & (offs_n[:, None] >= start_q[None, :])
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
@@ -227,12 +253,43 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, stride
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr,
+def _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
+        m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+    """One query head's share of a key tile: query tiles [m_lo, m_diag_hi) and [m_tail, m_hi)
+    masked, [m_full, m_free) without a mask."""
+    dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
+                              m_lo, m_diag_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              True, CAUSAL, ALIBI, UPCAST, DOCS)
+    dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
+                              m_full, m_free, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              False, CAUSAL, ALIBI, UPCAST, False)
+    dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
+                              m_tail, m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              True, CAUSAL, ALIBI, UPCAST, DOCS)
+    return dk, dv
+
+
+@triton.jit
+def _doc_query_tiles(doc_base, n0, m_full, m_even, S_Q, S_K, Q_OFFSET, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """For the key tile [n0, n0 + BLOCK_N) with documents → (m_free, m_hi): the queries in
+    [m_full, m_free) (whole tiles) lie in documents begun by n0 and below the diagonal, so they
+    see the whole key tile unmasked; from m_hi on they lie in documents begun after the tile and
+    see none of it (a key is seen only by the queries of its own document)."""
+    p_free = _first_start_after(doc_base, n0, min(n0 + 1, S_K), S_K)
+    p_end = _first_start_after(doc_base, n0 + BLOCK_N - 1, p_free, S_K)
+    m_free = max(m_full, min(m_even, (max(p_free - Q_OFFSET, 0) // BLOCK_M) * BLOCK_M))
+    m_hi = min(S_Q, max(p_end - Q_OFFSET, 0))
+    return m_free, m_hi
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr, doc_start_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
+        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
         H, G, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     # One program per (key tile, batch, KV head); it sums over the GROUP query heads sharing
     # that KV head, so GQA needs neither repeated K/V nor atomics.
     pid_n = tl.program_id(0)
@@ -255,13 +312,20 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
     # Query tiles [m_lo, m_full) straddle the causal diagonal; [m_full, m_even) see every
     # key of this tile and lie inside S_Q; [m_even, S_Q) is the ragged tail (which may also
-    # straddle the diagonal), so only the middle range runs without a mask.
+    # straddle the diagonal), so only the middle range runs without a mask. With documents that
+    # range ends at m_free, and no query from m_hi on sees this tile (_doc_query_tiles).
     m_lo = 0
     m_full = 0
     if CAUSAL:
         m_lo = (max(n0 - Q_OFFSET, 0) // BLOCK_M) * BLOCK_M
         m_full = max(m_lo, tl.cdiv(max(n0 + BLOCK_N - 1 - Q_OFFSET, 0), BLOCK_M) * BLOCK_M)
     m_even = (S_Q // BLOCK_M) * BLOCK_M
+    m_diag_hi, m_free, m_tail, m_hi = min(m_full, m_even), m_even, max(m_lo, m_even), S_Q
+    doc_base = doc_start_ptr
+    if DOCS:
+        doc_base = doc_start_ptr + b * stride_db
+        m_free, m_hi = _doc_query_tiles(doc_base, n0, m_full, m_even, S_Q, S_K, Q_OFFSET, BLOCK_M, BLOCK_N)
+        m_diag_hi, m_tail = min(m_full, m_hi), m_free
     for r in range(0, GROUP):
         h = g * GROUP + r
         bh = b * H + h
@@ -270,15 +334,9 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         slope2 = 0.0
         if ALIBI:
             slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
-        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                  stride_qs, stride_dos, m_lo, min(m_full, m_even), offs_n, slope2, qk_scale, S_Q,
-                                  Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
-        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                  stride_qs, stride_dos, m_full, m_even, offs_n, slope2, qk_scale, S_Q,
-                                  Q_OFFSET, HEAD_DIM, BLOCK_M, False, CAUSAL, ALIBI, UPCAST)
-        dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q,
-                                  stride_qs, stride_dos, max(m_lo, m_even), S_Q, offs_n, slope2, qk_scale,
-                                  S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, True, CAUSAL, ALIBI, UPCAST)
+        dk, dv = _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q, doc_base,
+                                   stride_qs, stride_dos, m_lo, m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n,
+                                   slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, CAUSAL, ALIBI, UPCAST, DOCS)
 
     # dk, dv are contiguous (B, G, S_K, D), allocated by the wrapper.
     out = pid_bg.to(tl.int64) * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -287,9 +345,9 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
 
 @triton.jit
-def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, slope2, qk_scale,
-        S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
+        qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
@@ -297,7 +355,7 @@ def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(_visible(offs_n, pos_q, S_K, CAUSAL), p, 0.0)
+            p = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, DOCS), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -305,12 +363,27 @@ def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr,
+def _attn_dq_docs(dq, q, do, lse2, delta, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
+        slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
+        UPCAST: tl.constexpr):
+    """The key tiles of one causal query tile with documents, split as in _attn_fwd_docs."""
+    start_q, n_lo, n_doc = _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_doc, n_full), pos_q,
+                        start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_doc, n_full, pos_q, start_q,
+                        slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST, False)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi, pos_q,
+                        start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr, doc_start_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
-        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos,
+        stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
         H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -343,10 +416,14 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
         n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, slope2, qk_scale,
-                        S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST)
-    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, slope2,
-                        qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST)
+    if DOCS:
+        dq = _attn_dq_docs(dq, q, do, lse2, delta, k_base, v_base, doc_start_ptr + b * stride_db, stride_ks, stride_vs,
+                           n_full, n_hi, pos_q, row_mask, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI, UPCAST)
+    else:
+        dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
+                            slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
+        dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, pos_q,
+                            slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST, False)
 
     # dq is contiguous (B, H, S_Q, D), allocated by the wrapper.
     out = pid_bh.to(tl.int64) * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
@@ -362,11 +439,11 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend):
+def _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS):
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi_slopes_H is not None,
-                 UPCAST=upcast(backend, q_BHSD.dtype))
+                 UPCAST=upcast(backend, q_BHSD.dtype), DOCS=doc_start_BS is not None)
     scalars = dict(GROUP=H // G, S_Q=S_Q, S_K=S_K, Q_OFFSET=max(S_K - S_Q, 0),
                    qk_scale=softmax_scale * LOG2E)
     return B, H, G, S_Q, S_K, D, flags, scalars
@@ -379,23 +456,38 @@ def _slopes(alibi_slopes_H, like):
     return alibi_slopes_H.to(device=like.device, dtype=torch.float32).contiguous()
 
 
+def _doc_starts(doc_start_BS, causal, S_Q, S_K, like):
+    """(doc_start, its batch stride) as the kernels read it: int32, contiguous along S."""
+    # Without documents the kernels never read this pointer; any tensor on the device will do.
+    if doc_start_BS is None:
+        return like, 0
+    # The document kernels assume causal attention and read a start at every query position.
+    if not causal or S_Q > S_K or tuple(doc_start_BS.shape) != (like.shape[0], S_K):
+        raise ValueError(f"flash_attention: doc_start_BS {tuple(doc_start_BS.shape)} needs causal attention, "
+                         f"S_Q <= S_K and shape (B, S_K) = ({like.shape[0]}, {S_K}); got causal={causal}, S_Q={S_Q}")
+    starts_BS = doc_start_BS.to(device=like.device, dtype=torch.int32).contiguous()
+    return starts_BS, starts_BS.stride(0)
+
+
 def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
-                               config: AttnConfig | None = None):
+                               config: AttnConfig | None = None, *, doc_start_BS=None):
     """Returns (o_BHSD, lse_BHS): the attention output and the natural-log logsumexp of each row
     of scaled (and biased) logits, which the backward pass needs. `config` overrides the shipped
-    tile (bench/kernels.py --tune tries candidates through it)."""
+    tile (bench/kernels.py --tune tries candidates through it). `doc_start_BS` (B, S_K), causal
+    only: where each position's document begins (kernels/flash_attention.py)."""
     q_BHSD, k_BGSD, v_BGSD = (_inner_contiguous(t) for t in (q_BHSD, k_BGSD, v_BGSD))
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend)
+                                                      softmax_scale, backend, doc_start_BS)
     cfg = config or attention_configs(D, q_BHSD.dtype, backend == "interpret").fwd
     o_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     lse_BHS = torch.empty(B, H, S_Q, dtype=torch.float32, device=q_BHSD.device)
+    doc_start, stride_db = _doc_starts(doc_start_BS, causal, S_Q, S_K, lse_BHS)
     if o_BHSD.numel() == 0:
         return o_BHSD, lse_BHS
     with device_guard(q_BHSD):
         _attn_fwd_kernel[(_cdiv(S_Q, cfg.BLOCK_M), B * H)](
-            q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, _slopes(alibi_slopes_H, lse_BHS),
-            *q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *o_BHSD.stride()[:3],
+            q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, _slopes(alibi_slopes_H, lse_BHS), doc_start,
+            *q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *o_BHSD.stride()[:3], stride_db,
             H, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"],
             BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -404,14 +496,14 @@ def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, s
 
 
 def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
-                               softmax_scale, backend, configs: AttnConfigs | None = None):
+                               softmax_scale, backend, configs: AttnConfigs | None = None, *, doc_start_BS=None):
     """Returns (dq_BHSD, dk_BGSD, dv_BGSD), contiguous, in the inputs' dtype. `configs` overrides
-    the shipped tiles (its fwd entry is unused)."""
+    the shipped tiles (its fwd entry is unused); `doc_start_BS` as in the forward."""
     do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD = (
         _inner_contiguous(t) for t in (do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD))
     lse_BHS = lse_BHS.contiguous()
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend)
+                                                      softmax_scale, backend, doc_start_BS)
     cfgs = configs or attention_configs(D, q_BHSD.dtype, backend == "interpret")
     dq_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     dk_BGSD = torch.empty(B, G, S_K, D, dtype=k_BGSD.dtype, device=k_BGSD.device)
@@ -420,20 +512,21 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
         return dq_BHSD.zero_(), dk_BGSD.zero_(), dv_BGSD.zero_()
     delta_BHS = torch.empty_like(lse_BHS)
     slopes = _slopes(alibi_slopes_H, lse_BHS)
-    strides = (*q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *do_BHSD.stride()[:3])
+    doc_start, stride_db = _doc_starts(doc_start_BS, causal, S_Q, S_K, lse_BHS)
+    strides = (*q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *do_BHSD.stride()[:3], stride_db)
     with device_guard(q_BHSD):
         _attn_bwd_delta_kernel[(_cdiv(S_Q, cfgs.dq.BLOCK_M), B * H)](
             o_BHSD, do_BHSD, delta_BHS, *o_BHSD.stride()[:3], *do_BHSD.stride()[:3], H, S_Q,
             HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, num_warps=4,
         )
         _attn_bwd_dkdv_kernel[(_cdiv(S_K, cfgs.dkdv.BLOCK_N), B * G)](
-            q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dk_BGSD, dv_BGSD, slopes, *strides,
+            q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dk_BGSD, dv_BGSD, slopes, doc_start, *strides,
             H, G, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"], softmax_scale,
             BLOCK_M=cfgs.dkdv.BLOCK_M, BLOCK_N=cfgs.dkdv.BLOCK_N, **flags,
             num_warps=cfgs.dkdv.num_warps, num_stages=cfgs.dkdv.num_stages,
         )
         _attn_bwd_dq_kernel[(_cdiv(S_Q, cfgs.dq.BLOCK_M), B * H)](
-            q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dq_BHSD, slopes, *strides,
+            q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dq_BHSD, slopes, doc_start, *strides,
             H, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"], softmax_scale,
             BLOCK_M=cfgs.dq.BLOCK_M, BLOCK_N=cfgs.dq.BLOCK_N, **flags,
             num_warps=cfgs.dq.num_warps, num_stages=cfgs.dq.num_stages,
@@ -444,8 +537,10 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
 def compile_specs():
     """Every shipped configuration, with arguments shaped like a Mixtral-8x7B layer (32 query
     heads over 8 KV heads, 4k positions), for compiling ahead of time (see moetron.kernels.aot).
-    Each is compiled causal without ALiBi, the training case; bf16 D=128 also full with ALiBi,
-    to compile those code paths too (they use the same tiles)."""
+    Each is compiled causal without ALiBi or documents, the training case; bf16 D=128 also full
+    with ALiBi and causal with documents, to compile those code paths too (they use the same
+    tiles). Without documents the kernels are passed the logsumexp (fp32) for the unread
+    doc_start pointer and a batch stride of 0, as the launchers do."""
     H, G, S = 32, 8, 4096  # batch strides as for one sequence: a kernel never steps past it
     for (size, D), cfgs in SHIPPED_CONFIGS.items():
         dtype = {2: torch.bfloat16, 4: torch.float32}[size]
@@ -458,13 +553,17 @@ def compile_specs():
         pointers |= dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr"], torch.float32)
         args = pointers | q_strides | k_strides | v_strides | do_strides | scalars
         args |= dict(stride_ob=H * S * D, stride_oh=S * D, stride_os=D)
-        variants = [(True, False)] + ([(False, True)] if (size, D) == (2, 128) else [])
-        for causal, alibi in variants:
-            flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False)
-            tag = f"{dtype},D={D},causal={causal},alibi={alibi}"
+        variants = [(True, False, False)]  # (causal, alibi, docs)
+        if (size, D) == (2, 128):
+            variants += [(False, True, False), (True, False, True)]
+        for causal, alibi, docs in variants:
+            flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False, DOCS=docs)
+            doc_args = dict(doc_start_ptr=torch.int32 if docs else torch.float32, stride_db=S if docs else 0)
+            tag = f"{dtype},D={D},causal={causal},alibi={alibi}" + (",docs=True" if docs else "")
             for name, kernel, cfg in (("fwd", _attn_fwd_kernel, cfgs.fwd), ("dkdv", _attn_bwd_dkdv_kernel, cfgs.dkdv),
                                          ("dq", _attn_bwd_dq_kernel, cfgs.dq)):
                 consts = flags | dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N)
-                yield KernelSpec(f"attention_{name}[{tag}]", kernel, args, consts, cfg.num_warps, cfg.num_stages)
+                yield KernelSpec(f"attention_{name}[{tag}]", kernel, args | doc_args, consts, cfg.num_warps,
+                                 cfg.num_stages)
         yield KernelSpec(f"attention_delta[{dtype},D={D}]", _attn_bwd_delta_kernel, args,
                          dict(HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M), 4, 3)

@@ -39,7 +39,7 @@ def _copy_weights(ours: Block, ref: nn.TransformerEncoderLayer) -> None:
             norm.bias.copy_(r.bias)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "triton"])
 @pytest.mark.parametrize("norm_position", ["post", "pre"])
 def test_encoder_block_matches_torch_transformer_encoder_layer(norm_position, attention):
     torch.manual_seed(0)
