@@ -15,8 +15,9 @@ import subprocess
 
 import pytest
 
-# Top-level packages of the [oracles] extra (pyproject.toml).
-ORACLES = ("deepspeed", "megatron", "transformers")
+# Top-level packages of the [oracles] extra (pyproject.toml), and of the [data] extra the dev extra
+# pulls in (`moetron data prepare`'s parquet and `datasets` readers): `make setup-test` installs all.
+ORACLES = ("deepspeed", "megatron", "transformers", "pyarrow", "datasets")
 # pytest.importorskip's own reasons: "could not import 'a.b': …" and "module 'a.b' has __version__ …".
 _IMPORTORSKIP = re.compile(r"(?:could not import|module) '([\w.]+)'")
 
@@ -52,7 +53,7 @@ def _fail_instead(report, reason: str) -> None:
         return
     report.outcome = "failed"
     report.longrepr = (f"oracle package {package!r} is missing under CI=true ({reason.removeprefix('Skipped: ')}); "
-                       f"oracle tests may not skip in CI: install the [oracles] extra (make setup-test)")
+                       f"oracle tests may not skip in CI: install the [oracles] and [dev] extras (make setup-test)")
 
 
 @pytest.hookimpl(wrapper=True)

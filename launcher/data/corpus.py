@@ -65,23 +65,6 @@ def tokenize_split(docs: Iterable[tuple[str, str]], tok: Tokenizer, val_fraction
     return {k: np.concatenate(v) if v else np.zeros(0, dtype) for k, v in parts.items()}
 
 
-def read_documents(paths: Iterable[str | Path], text_key: str = "text") -> Iterator[tuple[str, str]]:
-    """Documents of text files (one per file) and jsonl files (one per line, field `text_key`)."""
-    for p in paths:
-        p = Path(p)
-        if p.suffix == ".jsonl":
-            with p.open(encoding="utf-8") as f:
-                for i, line in enumerate(f):
-                    if line.strip():
-                        record = json.loads(line)
-                        if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                            raise ConfigError(f"{p}:{i + 1}: no text field {text_key!r} (choose the field "
-                                              f"with --json-key)")
-                        yield f"{p}:{i}", record[text_key]
-        else:
-            yield str(p), p.read_text(encoding="utf-8", errors="replace")
-
-
 def write_shards(prefix: str | Path, splits: dict[str, np.ndarray], tok: Tokenizer) -> Path:
     """Write whole split arrays as a Megatron indexed corpus (launcher/data/indexed.py): the train
     tokens as one document, then the validation tokens as the one held-out document. → PREFIX.idx"""

@@ -1,9 +1,10 @@
 """Documents in, a Megatron indexed corpus out: what `moetron data prepare` writes.
 
-Each document is tokenized, closed by the tokenizer's end-of-text id, and written as one sequence
-(one document) of PREFIX.bin as it comes; the held-out documents (`is_validation`) are kept aside
-and written last, so the corpus's last documents are its validation split, and PREFIX.json
-records how many. A failure on the way leaves nothing behind.
+Each document is tokenized (by worker processes: encode_pool.py), closed by the tokenizer's
+end-of-text id, and written as one sequence (one document) of PREFIX.bin in the order it came;
+the held-out documents (`is_validation`) are kept aside and written last, so the corpus's last
+documents are its validation split, and PREFIX.json records how many. The writer stays in this
+process. A failure on the way leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from moetron.launcher.data.corpus import is_validation, sidecar_for
+from moetron.launcher.data.encode_pool import encode_in_order
 from moetron.launcher.data.indexed import IndexedWriter, token_dtype
 from moetron.launcher.data.tokenizer import Tokenizer
 
@@ -30,22 +32,21 @@ class Written:
 
 
 def write_corpus(prefix: str | Path, docs: Iterable[tuple[str, str]], tok: Tokenizer, val_fraction: float,
-                 advance: Callable[[int], None] = lambda chars: None) -> Written:
-    """Tokenize (name, text) documents into PREFIX.bin/.idx/.json; `advance(chars)` after each."""
+                 advance: Callable[[int], None] = lambda documents: None, workers: int = 1) -> Written:
+    """Tokenize (name, text) documents with `workers` processes into PREFIX.bin/.idx/.json, the
+    same bytes whatever their number; `advance(1)` after each document written or held out."""
     prefix = Path(prefix)
     prefix.parent.mkdir(parents=True, exist_ok=True)
     writer = IndexedWriter(prefix, token_dtype(tok.vocab_size))
-    eos = np.array([tok.eos_id])
     held_out: list[np.ndarray] = []  # a small share of the corpus, written after the rest
     tokens = {"train": 0, "val": 0}
     try:
-        for name, text in docs:
-            ids = np.concatenate([tok.encode_array(text), eos])
+        for name, ids in encode_in_order(docs, tok, writer.dtype, workers):
             if is_validation(name, val_fraction):
-                held_out.append(ids.astype(writer.dtype))
+                held_out.append(ids.copy())  # a copy: the view would keep its whole chunk alive
             else:
                 writer.add(ids)
-            advance(len(text))
+            advance(1)
         tokens["train"] = sum(writer.lengths)
         for ids in held_out:
             writer.add(ids)
