@@ -21,6 +21,15 @@ def register(sub) -> None:
                         "run; PATH: a checkpoint folder")
     p.add_argument("--exit-after", type=int, default=None, metavar="N",
                    help="stop after N steps of this invocation, with a checkpoint (as a preemption would)")
+    p.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="auto: at every start, the layout `moetron plan` ranks first for the ranks this "
+                        "launch has (overrides the config's parallel section, train.grad_accum and "
+                        "train.activation_checkpoint; train.batch_size, the global batch, stays); a "
+                        "checkpoint of another layout is resharded into it. Written to the run folder's "
+                        "layouts.jsonl")
+    p.add_argument("--gpu", default=None, metavar="PROFILE",
+                   help="device profile for --layout auto: H100, H200, A100, B200 or cpu (default: this "
+                        "machine's GPU, or cpu, measured on first use)")
     p.set_defaults(run=run)
 
 
@@ -29,11 +38,14 @@ def run(args) -> int:
     from moetron.launcher.config import load_config
 
     info = detect_rank()
-    cfg = load_config(args.config, args.overrides, world_size=info.world_size)
+    overrides, choice = list(args.overrides), None
+    if args.layout == "auto":
+        overrides, choice = _auto_layout(args, info)
+    cfg = load_config(args.config, overrides, world_size=info.world_size)
     # Imported once the config is valid: torch and the training stack take seconds to load.
     from moetron.launcher.train.trainer import train
 
-    run_path = train(cfg, resume=args.resume, exit_after=args.exit_after)
+    run_path = train(cfg, resume=args.resume, exit_after=args.exit_after, layout_choice=choice)
     if not info.is_main:
         return 0
     print(f"run folder:   {run_path}")
@@ -42,3 +54,35 @@ def run(args) -> int:
     print(f"tensorboard:  tensorboard --logdir {run_path.parent}")
     print(f"checkpoints:  {run_path / 'checkpoints'}")
     return 0
+
+
+def _auto_layout(args, info) -> tuple[list[str], dict]:
+    """The config's overrides plus the layout the planner ranks first for this launch's ranks, and
+    how it chose (every rank plans alike: the same config, world size and profile)."""
+    import os
+    import sys
+
+    from moetron.launcher.perf.planner import choose_layout
+
+    profile = args.gpu or _this_device()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or info.world_size)
+    best = choose_layout(args.config, args.overrides, info.world_size, profile, gpus_per_node=per_node)
+    choice = {"profile": profile, "step_s": best.step_s, "tokens_per_s": best.tokens_per_s,
+              "memory_gib": best.memory["total"] / 2**30}
+    if info.is_main:
+        print(f"--layout auto on {info.world_size} × {profile}: {best.layout.label()} ({' '.join(best.layout.overrides())}); "
+              f"predicted {best.step_s:.3g} s/step, {choice['memory_gib']:.2f} GiB per rank", file=sys.stderr)
+    return [*args.overrides, *best.layout.overrides()], choice
+
+
+def _this_device() -> str:
+    """The profile of the GPU this process would train on (by its name), else "cpu"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().upper()
+    for known in ("H200", "H100", "B200", "A100"):
+        if known in name:
+            return known
+    return "H100"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -146,13 +147,35 @@ def save_profile(profile: DeviceProfile, path: Path | None = None) -> Path:
     return path
 
 
+def calibrate_on_first_use(path: Path | None = None, measure=None,
+                           console: Callable[[str], None] | None = None) -> DeviceProfile:
+    """This machine's cpu profile, measured now and cached, for a planner asked about "cpu" before
+    anything was calibrated. Ranks that start together take turns (a lock beside the cache): the
+    first measures, the others read what it stored. A busy machine is measured anyway (the spread
+    is printed, with the command that measures again): a first run must not stop for it."""
+    import fcntl
+
+    from moetron.launcher.perf import calibrate as cal
+
+    path = path or profile_cache()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    console = console or cal._stderr
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        profile = cached_cpu_profile(path)
+        if profile is not None:
+            return profile
+        console(f"no cpu profile yet: measuring this machine once (cached in {path}; "
+                f"`moetron plan --calibrate` measures it again)")
+        kwargs = {"measure": measure} if measure is not None else {}
+        profile, _ = cal.calibrate(path=path, max_spread=float("inf"), console=console, **kwargs)
+        return profile
+
+
 def get_profile(name: str, *, interconnect: str | None = None) -> DeviceProfile:
-    """The profile of `name` (H100, H200, A100, B200 or cpu — the latter calibrated first)."""
+    """The profile of `name` (H100, H200, A100, B200 or cpu — the latter measured on first use)."""
     if name == "cpu":
-        profile = cached_cpu_profile()
-        if profile is None:
-            raise FileNotFoundError("no calibrated cpu profile yet: run `moetron plan --calibrate` first "
-                                    f"(it measures this machine and writes {profile_cache()})")
+        profile = cached_cpu_profile() or calibrate_on_first_use()
     elif name.upper() in PROFILES:
         profile = PROFILES[name.upper()]
     else:

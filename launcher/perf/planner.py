@@ -438,6 +438,12 @@ def _candidates(cfg: Config, layouts: list[Layout], gpus: int, budget: float,
 
 def auto_layout(config: str, overrides: list[str], ranks: int, profile: str, *, gpus_per_node: int) -> list[str]:
     """The overrides of the layout `plan` ranks first for `config` on `ranks` devices."""
+    return choose_layout(config, overrides, ranks, profile, gpus_per_node=gpus_per_node).layout.overrides()
+
+
+def choose_layout(config: str, overrides: list[str], ranks: int, profile: str, *, gpus_per_node: int) -> Prediction:
+    """The layout `plan` ranks first for `config` on `ranks` devices of `profile`, with its predicted
+    step time and memory. Raises ConfigError (one line) when no layout fits."""
     from moetron.launcher.config import load_config
     from moetron.launcher.perf.device_profiles import get_profile
 
@@ -448,4 +454,4 @@ def auto_layout(config: str, overrides: list[str], ranks: int, profile: str, *, 
     if not result.ranked:
         reason = result.dropped[0].reason if result.dropped else "no valid layout for this many ranks"
         raise ConfigError(f"--layout auto: no layout of {config} fits on {ranks} × {dev.name}: {reason}")
-    return result.ranked[0].layout.overrides()
+    return result.ranked[0]

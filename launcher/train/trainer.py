@@ -33,6 +33,7 @@ from moetron.launcher.data.mlm import MaskedLM
 from moetron.launcher.run_dir import RunDir, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
+from moetron.launcher.train.layout_log import change_line, record_start
 from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.metrics import MetricsLogger
 from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
@@ -233,23 +234,26 @@ def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -
     return pm.global_losses(torch.stack(ce).mean(), torch.zeros((), device=device))[0]
 
 
-def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print) -> Path:
+def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, console=print,
+          layout_choice: dict | None = None) -> Path:
     """Train on this process, one rank of a launch (torchrun, srun, mpirun) or the only one;
     returns the run folder. `exit_after` stops (with a checkpoint) after that many steps of this
-    invocation, as a preemption would. Raises NonFiniteError when training diverges."""
+    invocation, as a preemption would. Raises NonFiniteError when training diverges.
+    `layout_choice`: how `--layout auto` chose cfg's layout, for the run folder's layouts.jsonl."""
     info = detect_rank()
     validate_launch(cfg, info.world_size)  # before any process group starts
     if torch.distributed.is_initialized():  # a caller that already joined the group keeps it
-        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg))
+        return _train(cfg, resume, exit_after, console, info, resolve_device(cfg), layout_choice)
     device = init_distributed(info)
     try:
         return _train(cfg, resume, exit_after, console if info.is_main else _quiet, info,
-                      device if info.world_size > 1 else resolve_device(cfg))
+                      device if info.world_size > 1 else resolve_device(cfg), layout_choice)
     finally:
         shutdown()
 
 
-def _train(cfg: Config, resume: str, exit_after: int | None, console, info: RankInfo, device: torch.device) -> Path:
+def _train(cfg: Config, resume: str, exit_after: int | None, console, info: RankInfo, device: torch.device,
+           layout_choice: dict | None = None) -> Path:
     t = cfg.train
     # One decision for all ranks, and nothing written until data and checkpoint are found usable.
     run = _on_rank0(lambda: open_run_dir(cfg, resume, create=False))
@@ -267,6 +271,8 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info: Rank
     metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=state.step + 1 if state.step else None)
     metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
     report_set_aside(moved, run, state.step, metrics, console)
+    if info.is_main:
+        _note_layout(run.path, cfg, state.step, info.world_size, layout_choice, metrics, console)
     meter, dashboards = start_run_dashboards(cfg, metrics, device, parts.bf16, world_size=info.world_size,
                                              console=console)
     checkpoints = CheckpointManager(run.checkpoints, t.checkpoint, parts.model, parts.optimizer, device=device,
@@ -287,6 +293,15 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info: Rank
         console(f"stopped by signal {signal.Signals(stopped).name} after step {state.step}; {saved}; "
                 f"rerun the same command to resume")
     return run.path
+
+
+def _note_layout(run: Path, cfg: Config, step: int, world_size: int, choice: dict | None, metrics, console) -> None:
+    """This start in layouts.jsonl; a layout other than the previous start's said and marked in TensorBoard."""
+    before, now = record_start(run, cfg, step, world_size, choice)
+    change = change_line(before, now) if before else None
+    if change:
+        console(change)
+        metrics.text("layout", change, step)
 
 
 def _loop(parts: Components, state: TrainState, stop: StopFlag, stop_at: int, logger: StepLogger,

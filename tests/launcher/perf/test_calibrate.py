@@ -107,3 +107,30 @@ def test_the_real_measurement_reports_every_quantity_each_repeat():
     assert set(result.dtype_peaks) == {"torch.bfloat16", "torch.float32"}
     assert max(s["peak"] for s in result.samples) <= max(result.dtype_peaks.values())
     json.dumps(result.samples)  # plain numbers, storable
+
+
+def test_first_use_measures_once_even_busy_and_later_uses_read_the_cache(tmp_path):
+    """A planner asked about "cpu" before any calibration measures the machine (a busy one too: the
+    spread that `--calibrate` would refuse is stored, and said), and every later use, or a rank
+    that waited on the lock meanwhile, reads the stored profile without measuring again."""
+    import threading
+
+    from moetron.launcher.perf.device_profiles import calibrate_on_first_use
+
+    busy = repeats({"matmul_rate": [1.0, 0.3, 1.0, 1.0, 1.0]})
+    measure, calls = fixed(busy)
+    path = tmp_path / "plan_profile.json"
+    lines: list[str] = []
+    got = []
+    ranks = [threading.Thread(target=lambda: got.append(calibrate_on_first_use(path, measure, lines.append)))
+             for _ in range(3)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and got[0] == got[1] == got[2]
+    assert got[0] == cached_cpu_profile(path)
+    assert got[0].matmul_efficiency == pytest.approx(QUIET["matmul_rate"] / DTYPE_PEAKS["torch.bfloat16"])
+    assert any("measuring this machine once" in line and str(path) in line for line in lines)
+    assert any("matmul" in line.lower() and "3.33" in line for line in lines), lines  # the spread, max/min
+    assert calibrate_on_first_use(path, measure, lines.append) == got[0] and len(calls) == 1

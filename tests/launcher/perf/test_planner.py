@@ -165,7 +165,6 @@ def test_plan_cli_json_with_dropped_layouts_says_what_the_table_says(tmp_path):
     (["configs/tiny.yaml", "--gpus", "4", "--gpu", "H100", "--interconnect", "carrier-pigeon"], "--interconnect"),
     (["configs/tiny.yaml", "--gpus", "0"], "--gpus 0: must be >= 1"),
     (["configs/tiny.yaml"], "needs a CONFIG and --gpus N"),
-    (["configs/tiny.yaml", "--gpus", "4", "--gpu", "cpu"], "run `moetron plan --calibrate` first"),
 ])
 def test_bad_input_is_one_line(tmp_path, argv, message):
     out = moetron("plan", *argv, env={"XDG_CACHE_HOME": str(tmp_path)})

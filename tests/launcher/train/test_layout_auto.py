@@ -1,0 +1,73 @@
+"""`moetron train --layout auto`: at a start on another number of ranks the planner's first layout is
+taken, the checkpoint resharded into it, the global batch kept — the losses continue as the
+uninterrupted one-process run's — and the run folder's layouts.jsonl records each start; a world
+on which nothing fits is refused in one line before a run folder exists."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetron.launcher.perf.device_profiles import DeviceProfile, save_profile
+
+ROOT = Path(__file__).resolve().parents[3]
+SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
+         "model.moe.d_expert=32", "model.moe.num_experts=4", "train.seq_len=32", "train.batch_size=8",
+         "train.log_every=1", "train.eval_every=100", "train.eval_batches=1", "train.warmup_steps=1",
+         "train.threads=1", "train.peak_tflops=1", "train.checkpoint.every=3", "train.precision=fp32",
+         "train.steps=6"]
+
+
+def profile(folder: Path, memory_bytes: float) -> dict:
+    """An XDG cache holding a cpu profile (the planner's numbers for this machine), as env vars."""
+    save_profile(DeviceProfile("cpu", 1e10, memory_bytes, 0.8, 1e9, 1e-4, 1e9, 1e-4, hbm_bw=1e10, dp_overlap=0.0),
+                 folder / "moetron" / "plan_profile.json")
+    return {**os.environ, "XDG_CACHE_HOME": str(folder), "OMP_NUM_THREADS": "1"}
+
+
+def moetron(ranks: int, *args: str, env: dict) -> subprocess.CompletedProcess:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
+        if ranks > 1 else [sys.executable]
+    return subprocess.run([*launch, "-m", "moetron", "train", "configs/tiny.yaml", *args], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=600)
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_on_two_ranks_takes_the_planners_layout_and_continues_the_curve(tmp_path):
+    env = profile(tmp_path / "cache", 8e9)
+    base = [*SMALL, f"train.run_dir={tmp_path}"]
+    straight = moetron(1, *base, "train.name=straight", env=env)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = moetron(1, *base, "train.name=split", "--exit-after", "3", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    grown = moetron(2, *base, "train.name=split", "--layout", "auto", env=env)
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    assert "--layout auto on 2 × cpu:" in grown.stderr and "predicted" in grown.stderr
+
+    want, got = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in range(4, 7):  # the same global batch on another layout: equal up to summation order
+        assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got[step], want[step])
+
+    starts = [json.loads(line) for line in (tmp_path / "split" / "layouts.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["world_size"], s["chosen_by"]) for s in starts] == [(0, 1, "config"), (3, 2, "auto")]
+    assert starts[1]["prediction"]["profile"] == "cpu" and starts[1]["prediction"]["step_s"] > 0
+    saved = (tmp_path / "split" / "config.yaml").read_text()
+    assert all(o.split("=")[0].split(".")[-1] + ":" in saved for o in starts[1]["overrides"])
+    assert "layout changed at step 3: 1 ranks" in grown.stdout + grown.stderr
+
+
+def test_a_world_where_no_layout_fits_is_refused_before_anything_is_written(tmp_path):
+    env = profile(tmp_path / "cache", 1e5)  # 100 kB per rank: no layout of the model fits
+    out = moetron(1, *SMALL, f"train.run_dir={tmp_path / 'runs'}", "train.name=none", "--layout", "auto", env=env)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--layout auto: no layout of configs/tiny.yaml fits on 1 × cpu" in lines[0]
+    assert not (tmp_path / "runs").exists()
