@@ -18,7 +18,8 @@ workers: the bench checks it.
 Megatron-LM's script needs `megatron.training` (a Megatron-LM checkout: megatron-core's wheel ships
 neither it nor tools/); it runs with the BPE saved as a Hugging Face tokenizer folder
 (`--tokenizer-type HuggingFaceTokenizer`), `--append-eod`, and the same worker counts. It has no
-byte tokenizer. Prints a table and one JSON line.
+byte tokenizer. Megatron-LM's main branch (and core_v0.17) needs Python 3.12; under 3.11 check out
+the tag core_v0.16.1. Prints a table and one JSON line.
 """
 
 from __future__ import annotations
