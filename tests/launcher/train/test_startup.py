@@ -141,4 +141,7 @@ def test_config_yaml_follows_a_resumed_run_that_raised_its_steps(tmp_path):
     train(longer, console=lambda *_: None)
     assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 4
     assert yaml.safe_load((run / "config.yaml").read_text()) == longer.to_dict()
-    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "tensorboard"]
+    # No stray files: layouts.jsonl holds one line per start (launcher/train/layout_log.py).
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "layouts.jsonl", "metrics.jsonl",
+                                                     "tensorboard"]
+    assert [json.loads(line)["step"] for line in (run / "layouts.jsonl").read_text().splitlines()] == [0, 2]
