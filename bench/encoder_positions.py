@@ -16,7 +16,7 @@ the same sizes, data, steps and seeds. Reported: the validation loss (nats per s
 each run at its last step, and per seed the RoPE − learned differential, with mean and spread.
 
     python bench/encoder_positions.py --quick   # ~1 min on 2 cores: 2 × 64 models, 40 steps, 2 seeds
-    python bench/encoder_positions.py           # ~8 min on 2 cores: the page's 4 × 128, 2 heads, 3 seeds
+    python bench/encoder_positions.py           # ~4 min on 2 cores: the page's 4 × 128, 2 heads, 3 seeds, 300 steps
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ def plot(result: dict, path: Path) -> None:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small models, few steps, 2 seeds")
-    p.add_argument("--steps", type=int, default=None, help="steps per run (quick 40, full 400)")
-    p.add_argument("--batch", type=int, default=32, help="windows of 64 bytes per step")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (quick 40, full 300)")
+    p.add_argument("--batch", type=int, default=16, help="windows of 64 bytes per step")
     p.add_argument("--seeds", type=int, default=None, help="seeds per (objective, position) (quick 2, full 3)")
     p.add_argument("--sentences", type=int, default=10_000)
     p.add_argument("--eval-batches", type=int, default=8)
@@ -159,7 +159,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=None, help="PNG path (default bench/out/encoder_positions[_quick].png)")
     args = p.parse_args(argv)
     args.size = "quick" if args.quick else "full"
-    args.steps = args.steps or (40 if args.quick else 400)
+    args.steps = args.steps or (40 if args.quick else 300)
     args.seeds = args.seeds or (2 if args.quick else 3)
     args.out = args.out or Path(__file__).parent / "out" / f"encoder_positions{'_quick' if args.quick else ''}.png"
     return args
