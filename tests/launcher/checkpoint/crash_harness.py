@@ -28,7 +28,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -39,6 +38,9 @@ from moetron.launcher.checkpoint.store import COMPLETE, Checkpointer, complete_c
 from moetron.launcher.config import load_config
 from moetron.launcher.data.corpus import write_shards
 from moetron.launcher.data.tokenizer import ByteTokenizer
+
+# Run as a script: this folder is first on sys.path.
+from forked_ranks import free_port, import_the_training_stack  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
 STEPS = 5
@@ -53,12 +55,6 @@ MODES = {  # name → (ranks, overrides)
     "sync-4": (4, ["parallel.dp=4", "parallel.ep=2"]),
     "async-4": (4, ["parallel.dp=4", "parallel.ep=2", "train.checkpoint.async=true"]),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 PHASES = ("shards", "manifest", "rename", "latest")
@@ -168,19 +164,6 @@ def prepare_data(folder: Path) -> str:
     return str(folder / "corpus")
 
 
-def import_what_runs_import() -> None:
-    """Import here, once, what a run imports on its way (the trainer and what it loads lazily:
-    TensorBoard's writer, the dashboards' matplotlib, the MFU meter), so no forked rank pays for
-    it again: ~1.5 s of CPU per rank and run, 100+ runs."""
-    import matplotlib.backends.backend_agg  # noqa: F401
-    import matplotlib.figure  # noqa: F401
-    import torch.utils.tensorboard  # noqa: F401
-    import yaml  # noqa: F401
-
-    import moetron.launcher.perf.mfu  # noqa: F401
-    import moetron.launcher.train.trainer  # noqa: F401
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -190,7 +173,7 @@ def main() -> int:
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     args = p.parse_args()
     rng = random.Random(args.seed)
-    import_what_runs_import()
+    import_the_training_stack()
     data = prepare_data(args.out)
     summary = {"trials": 0, "points": {}, "lost": 0, "mismatched": 0}
     for mode in args.modes:

@@ -1,4 +1,5 @@
-"""Checkpoints across layouts, for real (torchrun, gloo): 4 + resume + 4 steps on TP2×EP2 equals
+"""Checkpoints across layouts, for real (gloo ranks with torchrun's environment, forked from one
+process that imported the training stack once: forked_ranks.py): 4 + resume + 4 steps on TP2×EP2 equals
 8 straight bit for bit; its step-4 checkpoint resumes on one process with the next step's loss
 within 1e-6 relative of the uninterrupted run (tests/launcher/checkpoint/test_reshard.py resumes it under
 every other layout). Three launches.
@@ -22,6 +23,8 @@ the next loss within 1e-6 relative, and that one-process checkpoint loads back o
 bit for bit the same way. The FLOPs counted on a real step are one process's plus only the
 router's, which every tp rank repeats. Four launches and one process."""
 
+import atexit
+import functools
 import json
 import os
 import shutil
@@ -48,12 +51,22 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
 
 
+@functools.cache
+def _forker() -> subprocess.Popen:
+    """This pytest worker's rank forker (started on first use, stopped when the worker exits)."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked_ranks.py"))], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    atexit.register(proc.kill)
+    return proc
+
+
 def torchrun(nproc: int, config: str, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "moetron", "train", str(CONFIGS / config), *SMALL, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    """`moetron train` on `nproc` gloo ranks, as torchrun would start them (forked_ranks.py)."""
+    forker = _forker()
+    forker.stdin.write(json.dumps({"ranks": nproc, "argv": ["train", str(CONFIGS / config), *SMALL, *overrides]}) + "\n")
+    forker.stdin.flush()
+    result = json.loads(forker.stdout.readline())
+    assert result["codes"] == [0] * nproc, json.dumps(result, indent=1)
 
 
 def records(run: Path) -> list[dict]:
