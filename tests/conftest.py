@@ -111,3 +111,19 @@ def tmp_run_dir(tmp_path):
     d = tmp_path / "runs"
     d.mkdir()
     return d
+
+
+@pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has put its tests in one group
+def pytest_collection_modifyitems(items) -> None:
+    """Start the long work first: the Slurm group (one unit on one worker, mostly waiting on the
+    scheduler's clock), then `slow`, then `distributed` tests (collection order within each), so the
+    two workers of `make test` end on short tests together instead of one waiting on a long one
+    that was collected last."""
+
+    def rank(item) -> int:
+        group = item.get_closest_marker("xdist_group")
+        if group is not None and group.args and group.args[0] == "slurm":
+            return 0
+        return 1 if item.get_closest_marker("slow") else 2 if item.get_closest_marker("distributed") else 3
+
+    items.sort(key=rank)

@@ -39,11 +39,16 @@ def test_only_rank_zero_prints_a_user_error():
     assert is_rank_zero({"RANK": "0", "SLURM_PROCID": "1"})
 
 
+# The console script beside this interpreter (.venv/bin/torchrun): `make test` runs .venv/bin/python
+# without putting .venv/bin on PATH, where a PATH lookup found none and the test only ever skipped.
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+
+
 @pytest.mark.distributed
-@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun not on PATH")
+@pytest.mark.skipif(TORCHRUN is None, reason="no torchrun beside this interpreter or on PATH")
 def test_under_torchrun_a_bad_config_prints_once_and_every_rank_exits_2(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["torchrun", "--standalone", "--nproc-per-node", "2", "-m", "moetron", "train", "tiny",
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", "-m", "moetron", "train", "tiny",
                            "model.d_model=-1"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120,
                           check=False)
     out = proc.stdout + proc.stderr
