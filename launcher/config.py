@@ -421,6 +421,12 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} = {value!r}: must be a number")
         return float(value)
+    if origin is tuple:
+        # YAML lists become tuples, so frozen configs stay hashable (e.g. model.layer_types).
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} = {value!r}: must be a list")
+        item_tp = typing.get_args(tp)[0]
+        return tuple(_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
     if tp is list:
         if not isinstance(value, list):
             raise ConfigError(f"{key} = {value!r}: must be a list")
@@ -435,6 +441,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
 def _to_dict(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj):
         return {_field_key(f): _to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):  # YAML and JSON both write lists
+        return list(obj)
     return obj
 
 

@@ -56,10 +56,23 @@ class MoEConfig:
     jitter: float = 0.0
     # An always-on expert beside the routed ones (DeepSeek-MoE); 0 disables it.
     shared_expert_d_ff: int = 0
+    # The shared expert's output scaled per token by sigmoid(x · w), w a learned (D,) vector (Qwen2-MoE).
+    shared_expert_gate: bool = False
+    # A learned bias on the router's logits (GPT-OSS), and biases on the experts' projections.
+    router_bias: bool = False
+    expert_bias: bool = False
+    # The experts' SwiGLU as GPT-OSS writes it: gate clamped to at most `swiglu_limit`, up to
+    # ±swiglu_limit (0: no clamp), gate · sigmoid(swiglu_alpha · gate) · (up + swiglu_up_offset).
+    # The defaults (0, 1, 0) are plain SwiGLU; GPT-OSS uses (7.0, 1.702, 1.0).
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.0
+    swiglu_up_offset: float = 0.0
     # Layer i is MoE when i >= first_dense_layers and (i + 1) % every == 0: every=1 → every layer,
     # 2 → every other layer (Switch, GShard); DeepSeek-MoE keeps its first layer dense.
     every: int = 1
     first_dense_layers: int = 0
+    # Further layers kept dense whatever `every` says (Qwen-MoE's mlp_only_layers).
+    dense_layers: tuple[int, ...] = ()
     # "grouped": one grouped GEMM over ragged expert groups; "loop": per-expert reference.
     experts_impl: Literal["grouped", "loop"] = "grouped"
 
@@ -93,10 +106,53 @@ class MoEConfig:
                 out.append(("weighting", self.weighting, "top_k=1 needs weighting=softmax (Switch)"))
         if self.route_scale <= 0:
             out.append(("route_scale", self.route_scale, "must be > 0"))
+        if self.shared_expert_gate and not self.shared_expert_d_ff:
+            out.append(("shared_expert_gate", True, "needs a shared expert (moe.shared_expert_d_ff > 0)"))
+        if self.swiglu_alpha <= 0:
+            out.append(("swiglu_alpha", self.swiglu_alpha, "must be > 0 (1.0: plain SwiGLU)"))
         for name in ("aux_loss_coef", "z_loss_coef", "jitter", "min_capacity", "d_expert", "shared_expert_d_ff",
-                     "first_dense_layers", "bias_update_rate", "num_groups", "topk_groups"):
+                     "first_dense_layers", "bias_update_rate", "num_groups", "topk_groups", "swiglu_limit"):
             if getattr(self, name) < 0:
                 out.append((name, getattr(self, name), "must be >= 0"))
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). `kv_lora_rank: 0` keeps ordinary attention.
+
+    Keys and values come from one compressed latent c_kv = RMSNorm(x · W_dkv) of `kv_lora_rank`
+    dims, which is all the KV cache keeps besides one RoPE key of `qk_rope_head_dim` shared by
+    the heads. Queries come from x directly, or through their own latent of `q_lora_rank` dims.
+    A head's query and key are [nope | rope] (qk_nope_head_dim + qk_rope_head_dim wide), its
+    value v_head_dim wide: 192 and 128 in V3.
+    """
+
+    kv_lora_rank: int = 0
+    # 0: queries projected from x directly (DeepSeek-V2-Lite).
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim"):
+            if getattr(self, name) < 0:
+                out.append((name, getattr(self, name), "must be >= 0"))
+        if self.enabled:
+            if self.qk_rope_head_dim < 2 or self.qk_rope_head_dim % 2:
+                out.append(("qk_rope_head_dim", self.qk_rope_head_dim, "must be even and >= 2"))
+            if self.v_head_dim < 1:
+                out.append(("v_head_dim", self.v_head_dim, "must be >= 1"))
         return out
 
 
@@ -144,6 +200,22 @@ class ModelConfig:
     # head over Dh with one Dh-sized gain per q and k (Qwen3), "projection" the whole q (H·Dh) and
     # k (G·Dh) projections with gains of those sizes (OLMo, OLMoE).
     qk_norm: Literal["none", "head", "projection"] = "none"
+    # Biases on the attention projections alone (`bias` puts them on every linear): "qkv" on q, k
+    # and v (Qwen2-MoE), "all" on the output projection too (GPT-OSS).
+    attention_bias: Literal["none", "qkv", "all"] = "none"
+    # A learned logit per head that joins every query's softmax as one more key with no value
+    # (GPT-OSS's attention sinks): attention may give weight to "nothing".
+    attention_sinks: bool = False
+    # Sliding-window attention: a query sees itself and the sliding_window − 1 positions before it
+    # (0: off). `layer_types` says per layer "full" or "sliding"; empty with a window: every layer slides.
+    sliding_window: int = 0
+    layer_types: tuple[str, ...] = ()
+    # Multi-token prediction (DeepSeek-V3 §2.2): `mtp_depth` sequential modules, module k predicting
+    # token i + 1 + k from the main model's state and token i + k's embedding, each adding
+    # mtp_loss_weight / mtp_depth times its cross-entropy to the loss (λ; V3: 0.3, later 0.1).
+    mtp_depth: int = 0
+    mtp_loss_weight: float = 0.3
+    mla: MLAConfig = field(default_factory=MLAConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     @property
@@ -163,7 +235,17 @@ class ModelConfig:
         return self.moe.d_expert or self.d_ff
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.moe.enabled and layer >= self.moe.first_dense_layers and (layer + 1) % self.moe.every == 0
+        moe = self.moe
+        return (moe.enabled and layer >= moe.first_dense_layers and (layer + 1) % moe.every == 0
+                and layer not in moe.dense_layers)
+
+    def layer_window(self, layer: int) -> int:
+        """Keys a query of `layer` sees (itself included); 0: every earlier position."""
+        if not self.sliding_window:
+            return 0
+        if not self.layer_types:
+            return self.sliding_window
+        return self.sliding_window if self.layer_types[layer] == "sliding" else 0
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -203,5 +285,33 @@ class ModelConfig:
         if self.norm_eps <= 0 or self.init_std <= 0:
             out.append(("norm_eps" if self.norm_eps <= 0 else "init_std",
                         self.norm_eps if self.norm_eps <= 0 else self.init_std, "must be > 0"))
+        out += self._attention_variant_problems()
+        out += [(f"mla.{k}", v, rule) for k, v, rule in self.mla.problems()]
         out += [(f"moe.{k}", v, rule) for k, v, rule in self.moe.problems()]
+        return out
+
+    def _attention_variant_problems(self) -> list[Problem]:
+        out: list[Problem] = []
+        if self.sliding_window < 0:
+            out.append(("sliding_window", self.sliding_window, "must be >= 0 (0: full attention)"))
+        if self.layer_types:
+            if len(self.layer_types) != self.n_layers:
+                out.append(("layer_types", list(self.layer_types), f"must list n_layers ({self.n_layers}) entries"))
+            elif any(t not in ("full", "sliding") for t in self.layer_types):
+                out.append(("layer_types", list(self.layer_types), "entries must be full or sliding"))
+            elif not self.sliding_window:
+                out.append(("layer_types", list(self.layer_types), "needs sliding_window > 0"))
+        if self.mtp_depth < 0:
+            out.append(("mtp_depth", self.mtp_depth, "must be >= 0 (0: no multi-token prediction)"))
+        if self.mtp_loss_weight < 0:
+            out.append(("mtp_loss_weight", self.mtp_loss_weight, "must be >= 0"))
+        if self.mla.enabled:
+            if self.n_kv_heads not in (None, self.n_heads):
+                out.append(("n_kv_heads", self.n_kv_heads, "must be null or n_heads with mla (every head has its key)"))
+            if self.position != "rope":
+                out.append(("position", self.position, "must be rope with mla (its decoupled key is a RoPE key)"))
+            if self.qk_norm != "none":
+                out.append(("qk_norm", self.qk_norm, "must be none with mla (its latents have their own norms)"))
+        if self.moe.dense_layers and any(not 0 <= i < self.n_layers for i in self.moe.dense_layers):
+            out.append(("moe.dense_layers", list(self.moe.dense_layers), f"must be layers in 0..{self.n_layers - 1}"))
         return out

@@ -59,13 +59,35 @@ HF_DEFAULTS: dict[str, Any] = {
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# Families mapped in modules of their own: model_type → module under moetron.model. Each module
+# provides, for the model_types it lists:
+#   claims(cfg) -> str | None            the model_type a ModelConfig exports as, or None
+#   config_from_hf(hf: dict) -> ModelConfig
+#   config_to_hf(cfg, family) -> dict    the whole config.json but the keys common_hf_keys() writes
+#   problems(cfg, family) -> list[(field, value, rule)]
+#   tensors_from_hf(get, keys, cfg) / tensors_to_hf(model): as this module's functions below
+_FAMILY_MODULES: dict[str, str] = {}
+
+
+def family_module(family: str):
+    """The module mapping `family`, for the families not written out in this module."""
+    import importlib
+
+    return importlib.import_module(f"moetron.model.{_FAMILY_MODULES[family]}")
+
+
+def known_families() -> tuple[str, ...]:
+    return FAMILIES + tuple(_FAMILY_MODULES)
+
 
 def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     """A Mixtral, Qwen3-MoE or OLMoE config.json (as a dict) → ModelConfig; ValueError for what
     moetron cannot express."""
     family = hf.get("model_type", "mixtral")
+    if family in _FAMILY_MODULES:
+        return family_module(family).config_from_hf(hf)
     if family not in FAMILIES:
-        raise ValueError(f"model_type {family!r}: only {', '.join(FAMILIES)} convert")
+        raise ValueError(f"model_type {family!r}: only {', '.join(known_families())} convert")
     if family != "mixtral":
         return family_config_from_hf(hf)
     # null means "the default" except where it has a meaning of its own.
@@ -100,19 +122,33 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
 
 def hf_family(cfg: ModelConfig) -> str:
     """The Hugging Face family `cfg` exports as: its qk-norm decides (none: Mixtral, head: Qwen3-MoE,
-    projection: OLMoE)."""
+    projection: OLMoE), unless a family of its own module claims it first."""
+    for name in dict.fromkeys(_FAMILY_MODULES.values()):
+        claimed = family_module(next(f for f, m in _FAMILY_MODULES.items() if m == name)).claims(cfg)
+        if claimed:
+            return claimed
     return BY_QK_NORM[cfg.qk_norm]
 
 
 def hf_problems(cfg: ModelConfig) -> list[tuple[str, object, str]]:
     """What keeps `cfg` from being a model of its family (`hf_family`), as (field, value, rule)."""
     family = hf_family(cfg)
+    if family in _FAMILY_MODULES:
+        return family_module(family).problems(cfg, family)
     title = TITLES[family]
     rules = [("norm", "rmsnorm"), ("norm_position", "pre"), ("position", "rope"), ("activation", "swiglu"),
              ("bias", False)]
     out = [(k, getattr(cfg, k), f"must be {want!r} for {title}") for k, want in rules if getattr(cfg, k) != want]
     if cfg.rope_scaling not in ("none", "linear"):
         out.append(("rope_scaling", cfg.rope_scaling, f"must be none or linear for {title}"))
+    plain = [("attention_bias", "none"), ("attention_sinks", False), ("sliding_window", 0), ("mtp_depth", 0),
+             ("mla.kv_lora_rank", 0), ("moe.shared_expert_gate", False), ("moe.router_bias", False),
+             ("moe.expert_bias", False), ("moe.swiglu_limit", 0.0), ("moe.swiglu_alpha", 1.0),
+             ("moe.swiglu_up_offset", 0.0)]
+    for key, want in plain:
+        value = getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) if "." in key else getattr(cfg, key)
+        if value != want:
+            out.append((key, value, f"must be {want!r}: {title} has no equivalent"))
     moe = cfg.moe
     if not moe.enabled:
         out.append(("moe.num_experts", moe.num_experts, f"must be > 0: {title} is an MoE"))
@@ -135,6 +171,17 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id
     for key, value, rule in hf_problems(cfg):
         raise ValueError(f"model.{key} = {value!r}: {rule}")
     family = hf_family(cfg)
+    out = common_hf_keys(cfg, family, dtype, eos_id)
+    if family in _FAMILY_MODULES:
+        return {**out, **family_module(family).config_to_hf(cfg, family)}
+    if family == "mixtral":
+        return {**out, "sliding_window": None, "num_local_experts": cfg.moe.num_experts,
+                "router_jitter_noise": cfg.moe.jitter}
+    return {**out, **family_config_to_hf(cfg, family)}
+
+
+def common_hf_keys(cfg: ModelConfig, family: str, dtype: torch.dtype, eos_id: int | None) -> dict[str, Any]:
+    """The config.json keys every family shares (a family module overrides what differs)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     legacy_scaling = None
     if cfg.rope_scaling == "linear":
@@ -155,10 +202,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32, *, eos_id
         "router_aux_loss_coef": cfg.moe.aux_loss_coef, "output_router_logits": False, "use_cache": True,
         "dtype": dtype_name, "torch_dtype": dtype_name,
     }
-    if family == "mixtral":
-        return {**out, "sliding_window": None, "num_local_experts": cfg.moe.num_experts,
-                "router_jitter_noise": cfg.moe.jitter}
-    return {**out, **family_config_to_hf(cfg, family)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,6 +227,10 @@ def _plain_names(cfg: ModelConfig, layer: int) -> dict[str, str]:
 def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
                     cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """(moetron name, tensor) for every parameter, reading Hugging Face tensors through `get`."""
+    family = hf_family(cfg)
+    if family in _FAMILY_MODULES:
+        yield from family_module(family).tensors_from_hf(get, keys, cfg)
+        return
     per_expert, (w_gate, w_up, w_down) = _EXPERTS[hf_family(cfg)]
     yield "embed.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
@@ -214,7 +262,11 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
 def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, contiguous tensor) in the per-expert layout `save_pretrained` writes."""
     cfg, sd = model.cfg, model.state_dict()
-    per_expert, hf_names = _EXPERTS[hf_family(cfg)]
+    family = hf_family(cfg)
+    if family in _FAMILY_MODULES:
+        yield from family_module(family).tensors_to_hf(model)
+        return
+    per_expert, hf_names = _EXPERTS[family]
     yield "model.embed_tokens.weight", sd["embed.weight"]
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."

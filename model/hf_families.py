@@ -75,9 +75,10 @@ def family_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     if family == "olmoe" and head_dim != D // H:
         raise ValueError(f"head_dim {head_dim}: OLMoE's heads are hidden_size / num_attention_heads ({D // H}) wide")
     theta, scaling, factor = rope_from_hf(h)
-    every, first_dense, d_ff, d_expert = 1, 0, h["intermediate_size"], 0
+    every, first_dense, dense, d_ff, d_expert = 1, 0, (), h["intermediate_size"], 0
     if family == "qwen3_moe":
-        every, first_dense = h["decoder_sparse_step"], _leading_dense(h["mlp_only_layers"])
+        every = h["decoder_sparse_step"]
+        first_dense, dense = split_dense_layers(h["mlp_only_layers"])
         d_expert = h["moe_intermediate_size"] if h["moe_intermediate_size"] != d_ff else 0
     return ModelConfig(
         vocab_size=h["vocab_size"], d_model=D, n_layers=h["num_hidden_layers"], n_heads=H,
@@ -89,16 +90,21 @@ def family_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         qk_norm="head" if family == "qwen3_moe" else "projection",
         moe=MoEConfig(num_experts=h["num_experts"], top_k=h["num_experts_per_tok"], d_expert=d_expert,
                       capacity_factor=None, weighting="renormalize" if h["norm_topk_prob"] else "softmax",
-                      aux_loss_coef=float(h["router_aux_loss_coef"]), every=every, first_dense_layers=first_dense))
+                      aux_loss_coef=float(h["router_aux_loss_coef"]), every=every, first_dense_layers=first_dense,
+                      dense_layers=dense))
 
 
-def _leading_dense(mlp_only_layers: list[int]) -> int:
-    """Qwen3's mlp_only_layers as moetron's first_dense_layers: only a leading run 0..k−1 maps."""
-    k = len(set(mlp_only_layers))
-    if sorted(set(mlp_only_layers)) != list(range(k)):
-        raise ValueError(f"mlp_only_layers {sorted(mlp_only_layers)}: only a leading run 0..k-1 of dense layers "
-                         "converts (moetron's moe.first_dense_layers)")
-    return k
+def split_dense_layers(mlp_only_layers: list[int]) -> tuple[int, tuple[int, ...]]:
+    """Qwen-MoE's mlp_only_layers as (moe.first_dense_layers, moe.dense_layers): the leading run
+    0..k−1 and the rest."""
+    layers = sorted(set(mlp_only_layers))
+    k = next((i for i, layer in enumerate(layers) if layer != i), len(layers))
+    return k, tuple(layers[k:])
+
+
+def dense_layer_list(moe: MoEConfig) -> list[int]:
+    """moe.first_dense_layers and moe.dense_layers as Qwen-MoE's mlp_only_layers."""
+    return sorted(set(range(moe.first_dense_layers)) | set(moe.dense_layers))
 
 
 def family_problems(cfg: ModelConfig, family: str) -> list[tuple[str, object, str]]:
@@ -108,8 +114,10 @@ def family_problems(cfg: ModelConfig, family: str) -> list[tuple[str, object, st
         title = TITLES[family]
         if moe.every != 1:
             out.append(("moe.every", moe.every, f"must be 1: every {title} FFN is an MoE layer"))
-        if moe.first_dense_layers:
-            out.append(("moe.first_dense_layers", moe.first_dense_layers, f"must be 0: {title} has no dense layers"))
+        if moe.first_dense_layers or moe.dense_layers:
+            key, value = ("moe.first_dense_layers", moe.first_dense_layers) if moe.first_dense_layers else (
+                "moe.dense_layers", list(moe.dense_layers))
+            out.append((key, value, f"must be empty: {title} has no dense layers"))
     if family == "mixtral" and moe.weighting != "renormalize":
         out.append(("moe.weighting", moe.weighting, "must be renormalize: Mixtral renormalizes top-k weights"))
     if family == "olmoe" and cfg.dim_head * cfg.n_heads != cfg.d_model:
@@ -124,6 +132,6 @@ def family_config_to_hf(cfg: ModelConfig, family: str) -> dict[str, Any]:
                            "attention_bias": False}
     if family == "qwen3_moe":
         return {**out, "intermediate_size": cfg.d_ff, "moe_intermediate_size": cfg.d_expert_ff,
-                "decoder_sparse_step": moe.every, "mlp_only_layers": list(range(moe.first_dense_layers)),
+                "decoder_sparse_step": moe.every, "mlp_only_layers": dense_layer_list(moe),
                 "use_sliding_window": False}
     return {**out, "intermediate_size": cfg.d_expert_ff, "clip_qkv": None}

@@ -158,12 +158,15 @@ def test_qwen3_dense_layer_pattern_maps_to_every_and_first_dense_layers():
                           "mlp_only_layers": [1, 0]})
     # Transformers' rule: MoE where the layer is not in mlp_only_layers and (layer + 1) % step == 0.
     assert [cfg.is_moe_layer(i) for i in range(6)] == [False, False, False, True, False, True]
+    # A dense layer after MoE ones is moe.dense_layers, and exports back to the same list.
+    scattered = config_from_hf({"model_type": "qwen3_moe", "num_hidden_layers": 6, "mlp_only_layers": [4, 0, 2]})
+    assert [scattered.is_moe_layer(i) for i in range(6)] == [False, True, False, True, False, True]
+    assert config_to_hf(scattered)["mlp_only_layers"] == [0, 2, 4]
     # Published defaults fill what a config.json leaves out.
     assert (cfg.d_ff, cfg.d_expert_ff, cfg.moe.num_experts, cfg.moe.weighting) == (6144, 768, 128, "softmax")
 
 
 @pytest.mark.parametrize("hf,needle", [
-    ({"model_type": "qwen3_moe", "mlp_only_layers": [2]}, "only a leading run"),
     ({"model_type": "qwen3_moe", "use_sliding_window": True}, "only full attention"),
     ({"model_type": "qwen3_moe", "num_experts_per_tok": 1, "norm_topk_prob": True}, "renormalized top-1"),
     ({"model_type": "olmoe", "clip_qkv": 8.0}, "clip_qkv 8.0"),
