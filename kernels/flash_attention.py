@@ -16,6 +16,17 @@ j iff doc_start[b, pos_i] <= j <= pos_i. Starts must be non-decreasing along S w
 doc_start[b, j] <= j; that is not checked (it would synchronize with the device): the Triton
 kernels rely on it to skip the tiles of other documents, which is where varlen's speed comes from.
 
+Sliding window (`window` W > 0, causal only): query i (at pos_i) sees key j iff pos_i - W < j <= pos_i,
+itself and the W - 1 positions before it. This is Hugging Face's `sliding_window=W`
+(transformers' masking_utils: `kv_idx > q_idx - sliding_window` on top of causal), so a GPT-OSS
+layer with sliding_window=128 attends to 128 keys. It combines with documents (both bounds hold).
+
+Attention sinks (`sinks_H`, GPT-OSS): one learned logit per query head joins every row's softmax as
+an extra key without a value: p_ij = exp(s_ij) / (exp(sink_h) + sum_j' exp(s_ij')), o_i = sum_j p_ij v_j.
+The sink is not scaled and sees no mask or ALiBi. This is transformers' GPT-OSS eager attention
+(the sink column concatenated to the scaled, masked logits, softmax over all, the column dropped).
+The logsumexp the ops exchange includes the sink term.
+
 Layers: Triton kernels (flash_attention_triton) → the ops `moetron::flash_attention_fwd` (returns
 the output and the logsumexp) and `moetron::flash_attention_bwd` (custom ops with fake
 implementations, so torch.compile traces them) → the function `flash_attention`. The torch path
@@ -34,9 +45,9 @@ from moetron.kernels.backend import resolve_backend
 from moetron.kernels.measured_backends import PASSES
 
 
-def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS=None):
-    """Scaled logits s_BHQK in dtype `ct`, ALiBi added, the causal mask and the mask of keys before
-    each query's document start applied (-inf)."""
+def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS=None, window=0):
+    """Scaled logits s_BHQK in dtype `ct`, ALiBi added, the causal mask, the mask of keys before
+    each query's document start and the mask of keys W or more positions back applied (-inf)."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     q_BGRSD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
@@ -48,10 +59,20 @@ def _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS=None
         s_BHQK = s_BHQK + alibi_slopes_H.to(ct)[:, None, None] * distance_QK
     if causal:
         s_BHQK = s_BHQK.masked_fill(pos_k[None, :] > pos_q[:, None], float("-inf"))
+    if window > 0:
+        s_BHQK = s_BHQK.masked_fill(pos_k[None, :] <= pos_q[:, None] - window, float("-inf"))
     if doc_start_BS is not None:
         before_BQK = pos_k[None, None, :] < doc_start_BS[:, pos_q][:, :, None]
         s_BHQK = s_BHQK.masked_fill(before_BQK[:, None], float("-inf"))
     return s_BHQK
+
+
+def _logsumexp(s_BHQK, sinks_H, ct):
+    """lse_BHQ over each row of logits, the sink's exp(sink_h) included when there are sinks."""
+    lse_BHQ = torch.logsumexp(s_BHQK, dim=-1)
+    if sinks_H is None:
+        return lse_BHQ
+    return torch.logaddexp(lse_BHQ, sinks_H.to(ct)[None, :, None])
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -67,38 +88,49 @@ def flash_attention_reference(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     doc_start_BS: torch.Tensor | None = None,
+    sinks_H: torch.Tensor | None = None,
+    window: int = 0,
 ):
-    """Plain eager attention, differentiable, any float dtype (computed in fp32, or fp64 for
-    fp64 inputs). K/V heads are broadcast over their query heads, never copied. Returns o_BHSD,
-    or (o_BHSD, lse_BHS) with the natural-log logsumexp of each row of logits."""
+    """Plain eager attention, differentiable (in the sinks too), any float dtype (computed in fp32,
+    or fp64 for fp64 inputs). K/V heads are broadcast over their query heads, never copied. Returns
+    o_BHSD, or (o_BHSD, lse_BHS) with the natural-log logsumexp of each row of logits (and sink)."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     scale = D**-0.5 if softmax_scale is None else softmax_scale
     ct = _compute_dtype(q_BHSD.dtype)
-    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS)
-    lse_BHS = torch.logsumexp(s_BHQK, dim=-1)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS, window)
+    lse_BHS = _logsumexp(s_BHQK, sinks_H, ct)
     p_BGRQK = torch.exp(s_BHQK - lse_BHS[..., None]).reshape(B, G, H // G, S_Q, S_K)
     o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D).to(q_BHSD.dtype)
     return (o_BHSD, lse_BHS.float()) if return_lse else o_BHSD
 
 
 def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale,
-                                       doc_start_BS=None):
-    """(dq_BHSD, dk_BGSD, dv_BGSD) of flash_attention_reference by the softmax backward formulas,
-    recomputing the probabilities (no autograd: it runs inside a custom op, below autograd)."""
+                                       doc_start_BS=None, sinks_H=None, window=0):
+    """(dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H) of flash_attention_reference by the softmax backward
+    formulas, recomputing the probabilities (no autograd: it runs inside a custom op, below
+    autograd). dsinks_H is empty, shape (0,), without sinks."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     ct = _compute_dtype(q_BHSD.dtype)
-    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct, doc_start_BS)
-    p_BGRQK = torch.softmax(s_BHQK, dim=-1).reshape(B, G, H // G, S_Q, S_K)
+    s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct, doc_start_BS, window)
+    lse_BHQ = _logsumexp(s_BHQK, sinks_H, ct)
+    p_BGRQK = torch.exp(s_BHQK - lse_BHQ[..., None]).reshape(B, G, H // G, S_Q, S_K)
     do_BGRQD = do_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
     q_BGRQD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
     dv_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", p_BGRQK, do_BGRQD)
     dp_BGRQK = do_BGRQD @ v_BGSD.to(ct)[:, :, None].transpose(-1, -2)
-    ds_BGRQK = p_BGRQK * (dp_BGRQK - (p_BGRQK * dp_BGRQK).sum(-1, keepdim=True))
+    # delta = sum_j p_ij dp_ij = dO_i . O_i; the sink's dp is 0 (it has no value), so the same
+    # formulas hold with sinks, and d sink_h = -sum_(b,i) p_sink,bhi delta_bhi (see the Triton backward).
+    delta_BGRQ = (p_BGRQK * dp_BGRQK).sum(-1)
+    ds_BGRQK = p_BGRQK * (dp_BGRQK - delta_BGRQ[..., None])
     dq_BHSD = (ds_BGRQK @ k_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D) * softmax_scale
     dk_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", ds_BGRQK, q_BGRQD) * softmax_scale
-    return dq_BHSD.to(q_BHSD.dtype), dk_BGSD.to(k_BGSD.dtype), dv_BGSD.to(v_BGSD.dtype)
+    dsinks_H = q_BHSD.new_zeros(0)
+    if sinks_H is not None:
+        p_sink_BHQ = torch.exp(sinks_H.to(ct)[None, :, None] - lse_BHQ)
+        dsinks_H = -(p_sink_BHQ * delta_BGRQ.reshape(B, H, S_Q)).sum((0, 2)).to(sinks_H.dtype)
+    return dq_BHSD.to(q_BHSD.dtype), dk_BGSD.to(k_BGSD.dtype), dv_BGSD.to(v_BGSD.dtype), dsinks_H
 
 
 def _pass_backend(backend: str, pass_: str, q_BHSD: torch.Tensor) -> str:
@@ -110,20 +142,21 @@ def _pass_backend(backend: str, pass_: str, q_BHSD: torch.Tensor) -> str:
 def _fwd_op(
     q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, causal: bool,
     alibi_slopes_H: torch.Tensor | None, softmax_scale: float, backend: str,
-    doc_start_BS: torch.Tensor | None = None,
+    doc_start_BS: torch.Tensor | None = None, sinks_H: torch.Tensor | None = None, window: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     backend = _pass_backend(backend, "fwd", q_BHSD)
     if backend == "torch":
         return flash_attention_reference(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, True,
-                                         doc_start_BS)
+                                         doc_start_BS, sinks_H, window)
     from moetron.kernels.flash_attention_triton import flash_attention_fwd_triton
 
     return flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
-                                      doc_start_BS=doc_start_BS)
+                                      doc_start_BS=doc_start_BS, sinks_H=sinks_H, window=window)
 
 
 @_fwd_op.register_fake
-def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS=None):
+def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS=None, sinks_H=None,
+      window=0):
     B, H, S_Q, D = q_BHSD.shape
     return q_BHSD.new_empty(B, H, S_Q, D), q_BHSD.new_empty(B, H, S_Q, dtype=torch.float32)
 
@@ -133,37 +166,42 @@ def _bwd_op(
     do_BHSD: torch.Tensor, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor,
     o_BHSD: torch.Tensor, lse_BHS: torch.Tensor, causal: bool, alibi_slopes_H: torch.Tensor | None,
     softmax_scale: float, backend: str, doc_start_BS: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks_H: torch.Tensor | None = None, window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H); dsinks_H is empty, shape (0,), without sinks (an op
+    returns tensors, never None)."""
     backend = _pass_backend(backend, "bwd", q_BHSD)
     if backend == "torch":
         return flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                  softmax_scale, doc_start_BS)
+                                                  softmax_scale, doc_start_BS, sinks_H, window)
     from moetron.kernels.flash_attention_triton import flash_attention_bwd_triton
 
     return flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
-                                      softmax_scale, backend, doc_start_BS=doc_start_BS)
+                                      softmax_scale, backend, doc_start_BS=doc_start_BS, sinks_H=sinks_H,
+                                      window=window)
 
 
 @_bwd_op.register_fake
 def _(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H, softmax_scale, backend,
-      doc_start_BS=None):
-    return torch.empty_like(q_BHSD), torch.empty_like(k_BGSD), torch.empty_like(v_BGSD)
+      doc_start_BS=None, sinks_H=None, window=0):
+    dsinks_H = q_BHSD.new_empty(0) if sinks_H is None else torch.empty_like(sinks_H)
+    return torch.empty_like(q_BHSD), torch.empty_like(k_BGSD), torch.empty_like(v_BGSD), dsinks_H
 
 
 def _setup_context(ctx, inputs, output):
-    q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS = inputs
+    q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS, sinks_H, window = inputs
     o_BHSD, lse_BHS = output
-    ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS)
-    ctx.causal, ctx.softmax_scale, ctx.backend = causal, softmax_scale, backend
+    ctx.save_for_backward(q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS, sinks_H)
+    ctx.causal, ctx.softmax_scale, ctx.backend, ctx.window = causal, softmax_scale, backend, window
 
 
 def _backward(ctx, do_BHSD, dlse_BHS):
     # The logsumexp is an auxiliary output for the backward pass; its gradient is not propagated
     # (flash_attention returns only the attention output).
-    q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, ctx.causal, alibi_slopes_H,
-                         ctx.softmax_scale, ctx.backend, doc_start_BS)
-    return dq, dk, dv, None, None, None, None, None
+    q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, alibi_slopes_H, doc_start_BS, sinks_H = ctx.saved_tensors
+    dq, dk, dv, dsinks = _bwd_op(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, ctx.causal, alibi_slopes_H,
+                                 ctx.softmax_scale, ctx.backend, doc_start_BS, sinks_H, ctx.window)
+    return dq, dk, dv, None, None, None, None, None, None if sinks_H is None else dsinks, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -187,6 +225,24 @@ def _check_doc_start(doc_start_BS: torch.Tensor, q_BHSD: torch.Tensor, k_BGSD: t
         raise ValueError(f"flash_attention: doc_start_BS needs S_Q <= S_K, got S_Q={S_Q}, S_K={S_K}")
 
 
+def _check_sinks_window(sinks_H, window, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, causal: bool) -> None:
+    """One-line ValueErrors for sinks_H and a window that cannot apply to these q and k."""
+    H, S_Q, S_K = q_BHSD.shape[1], q_BHSD.shape[2], k_BGSD.shape[2]
+    if sinks_H is not None:
+        if tuple(sinks_H.shape) != (H,) or not sinks_H.is_floating_point():
+            raise ValueError(f"flash_attention: sinks_H must be a float tensor of shape ({H},), "
+                             f"got {sinks_H.dtype} {tuple(sinks_H.shape)}")
+        if sinks_H.device != q_BHSD.device:
+            raise ValueError(f"flash_attention: sinks_H must be on q's device {q_BHSD.device}, got {sinks_H.device}")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"flash_attention: window must be an int >= 0 (0: no window), got {window!r}")
+    if window and not causal:
+        raise ValueError("flash_attention: a sliding window applies on top of causal attention; pass causal=True")
+    if window and S_Q > S_K:
+        # Queries past the keys' end would see no key at all once the window has passed them.
+        raise ValueError(f"flash_attention: a sliding window needs S_Q <= S_K, got S_Q={S_Q}, S_K={S_K}")
+
+
 def flash_attention(
     q_BHSD: torch.Tensor,
     k_BGSD: torch.Tensor,
@@ -196,13 +252,19 @@ def flash_attention(
     softmax_scale: float | None = None,
     *,
     doc_start_BS: torch.Tensor | None = None,
+    sinks_H: torch.Tensor | None = None,
+    window: int = 0,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """o_BHSD = softmax(scale * q k^T + alibi, causal and document mask) v, differentiable in q, k and v.
+    """o_BHSD = softmax(scale * q k^T + alibi, causal, window and document mask; sink) v, differentiable
+    in q, k, v and sinks_H.
 
     `softmax_scale` defaults to 1/sqrt(D). `doc_start_BS`: int32 or int64 (B, S_K) on q's device,
     where the document of each key position begins (module docstring); only with causal=True and
-    S_Q <= S_K. `backend`: None or "auto" picks, for the forward and
+    S_Q <= S_K. `sinks_H`: (H,) float logits on q's device, one extra softmax column per query
+    head without a value (GPT-OSS). `window`: 0 for none, else W >= 1: a query sees itself and
+    the W - 1 positions before it, as Hugging Face's `sliding_window=W` (module docstring); only
+    with causal=True and S_Q <= S_K. `backend`: None or "auto" picks, for the forward and
     the backward each, the path recorded for this CUDA device (Triton where unmeasured; see
     kernels/measured_backends.py) and torch elsewhere; "interpret" runs the Triton kernels on CPU
     (tests). The Triton path takes fp32, fp16 and bf16 with head dims 32, 64 or 128; the torch
@@ -225,6 +287,7 @@ def flash_attention(
         raise ValueError(f"flash_attention: alibi_slopes_H must have shape ({H},), got {tuple(alibi_slopes_H.shape)}")
     if doc_start_BS is not None:
         _check_doc_start(doc_start_BS, q_BHSD, k_BGSD, causal)
+    _check_sinks_window(sinks_H, window, q_BHSD, k_BGSD, causal)
     request = "auto" if backend is None else backend
     kernels = sorted({resolve_backend(request, q_BHSD.device, "attention", p, q_BHSD.dtype)
                       for p in PASSES["attention"]} - {"torch"})
@@ -234,5 +297,7 @@ def flash_attention(
         if k_BGSD.shape[2] == 0:
             raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, request, doc_start_BS)
+    # A window of S_K or more hides nothing; capping it keeps the kernels' position arithmetic in int32.
+    window = min(window, k_BGSD.shape[2])
+    o_BHSD, _ = _fwd_op(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, scale, request, doc_start_BS, sinks_H, window)
     return o_BHSD

@@ -19,6 +19,18 @@ a key tile in dK/dV walks only the queries of documents that reach it, found by 
 over the non-decreasing starts, and masks those whose document begins inside it. With DOCS off
 the kernels compile exactly as without documents.
 
+Sliding window (the WINDOW constexpr, `window` W at run time, causal only): query i sees key j only
+if j > i + Q_OFFSET - W. The window start is a second left bound beside the document start (each
+row's first visible key is the later of the two), so it shares the documents' split of a query
+tile's key tiles: none before the first row's bound, masked while some row's bound falls inside,
+unmasked from there to the diagonal. A key tile in dK/dV walks only the query tiles whose windows
+reach it. Keys outside every window are never loaded: the cost is O(S * W), not O(S^2).
+
+Sinks (the SINKS constexpr, GPT-OSS): a logit per query head that joins every row's softmax with
+no value. The forward pass opens each row's online softmax with it (running max = sink, sum = 1);
+the logsumexp then includes it, so the backward's probabilities need no change, and d sink is a
+row reduction done beside delta (_attn_bwd_delta_kernel).
+
 This module imports triton; the op layer (flash_attention.py) imports it only when a Triton
 backend runs, so `import moetron.kernels` works where triton is absent.
 """
@@ -69,27 +81,35 @@ def _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI: tl.constexpr):
 
 
 @triton.jit
-def _visible(offs_n, pos_q, start_q, S_K, CAUSAL: tl.constexpr, DOCS: tl.constexpr):
+def _visible(offs_n, pos_q, start_q, S_K, CAUSAL: tl.constexpr, LEFT: tl.constexpr):
     """Which (query, key) pairs of a tile exist and may be attended → (BLOCK_M, BLOCK_N) bool;
-    `start_q` (BLOCK_M,) is each query's document start, read only when DOCS."""
+    `start_q` (BLOCK_M,) is each query's first visible key (document or window start), read only
+    when LEFT."""
     visible = offs_n[None, :] < S_K
     if CAUSAL:
         visible = visible & (offs_n[None, :] <= pos_q[:, None])
-    if DOCS:
+    if LEFT:
         visible = visible & (offs_n[None, :] >= start_q[:, None])
     return visible
 
 
 @triton.jit
-def _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N: tl.constexpr):
-    """For a query tile with documents → (start_q, n_lo, n_doc): each row's document start (rows
-    where `rows` is false read 0); the first key tile any row sees; the first key tile from which
-    every row's document has begun, so that no document mask touches it."""
-    start_q = tl.load(doc_base + pos_q, mask=rows, other=0)
+def _left_key_tiles(doc_base, pos_q, rows, window, BLOCK_N: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr):
+    """For a query tile whose rows see keys only from a first position on (the document start
+    when DOCS, the window start pos_q - window + 1 when WINDOW, the later of the two when both)
+    → (start_q, n_lo, n_left): each row's first visible key; the first key tile any row (where
+    `rows`) sees; the first key tile from which every row's bound has passed, so that no left
+    mask touches it."""
+    start_q = tl.zeros_like(pos_q)
+    if DOCS:
+        start_q = tl.load(doc_base + pos_q, mask=rows, other=0)
+    if WINDOW:
+        start_q = tl.maximum(start_q, pos_q - window + 1)
     lo = tl.min(tl.where(rows, start_q, 2147483647), 0)
     n_lo = (max(lo, 0) // BLOCK_N) * BLOCK_N
-    n_doc = max(n_lo, tl.cdiv(max(tl.max(start_q, 0), 0), BLOCK_N) * BLOCK_N)
-    return start_q, n_lo, n_doc
+    n_left = max(n_lo, tl.cdiv(max(tl.max(tl.where(rows, start_q, 0), 0), 0), BLOCK_N) * BLOCK_N)
+    return start_q, n_lo, n_left
 
 
 @triton.jit
@@ -108,19 +128,19 @@ def _first_start_after(doc_base, key, lo, hi):
 @triton.jit
 def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
         qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, LEFT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
         v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         if MASK:
-            s = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, DOCS), s, float("-inf"))
+            s = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, LEFT), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if DOCS:
-            # A row whose document begins after this tile has no key in it; while its running max
-            # is still -inf, exp2(-inf - -inf) would be NaN. Any finite reference gives p = 0, alpha = 0.
+        if LEFT:
+            # A row whose document or window begins after this tile has no key in it; while its running
+            # max is still -inf, exp2(-inf - -inf) would be NaN. Any finite reference gives p = 0, alpha = 0.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.math.exp2(s - m_ref[:, None])
         alpha = tl.math.exp2(m_i - m_ref)
@@ -131,16 +151,17 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo
 
 
 @triton.jit
-def _attn_fwd_docs(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
-        slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
-        UPCAST: tl.constexpr):
-    """The key tiles of one causal query tile with documents: none before n_lo; masked up to n_doc
-    (documents begin inside) and from n_full (the diagonal, the end of the keys); unmasked between."""
-    start_q, n_lo, n_doc = _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N)
-    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_doc, n_full),
+def _attn_fwd_left(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
+        window, slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
+        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
+    """The key tiles of one causal query tile with a left bound (documents, window): none before
+    n_lo; masked up to n_left (some row's bound falls inside) and from n_full (the diagonal, the end
+    of the keys); unmasked between."""
+    start_q, n_lo, n_left = _left_key_tiles(doc_base, pos_q, rows, window, BLOCK_N, DOCS, WINDOW)
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_left, n_full),
                                     pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI,
                                     UPCAST, True)
-    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_doc, n_full, pos_q,
+    acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_left, n_full, pos_q,
                                     start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST,
                                     False)
     acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi,
@@ -150,12 +171,13 @@ def _attn_fwd_docs(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride
 
 
 @triton.jit
-def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_ptr,
+def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_ptr, sinks_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os, stride_db,
-        H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale,
+        H, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr, SINKS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = pid_bh // H
@@ -185,11 +207,16 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
         n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if SINKS:
+        # The sink is one more logit of every row, without a value: it opens the online softmax
+        # (running max = sink, running sum = exp2(sink - sink) = 1) and adds nothing to acc.
+        m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if DOCS:
-        acc, l_i, m_i = _attn_fwd_docs(acc, l_i, m_i, q, k_base, v_base, doc_start_ptr + b.to(tl.int64) * stride_db,
-                                       stride_ks, stride_vs, n_full, n_hi, pos_q, offs_m < S_Q, slope2, qk_scale, S_K,
-                                       HEAD_DIM, BLOCK_N, ALIBI, UPCAST)
+    if DOCS or WINDOW:
+        acc, l_i, m_i = _attn_fwd_left(acc, l_i, m_i, q, k_base, v_base, doc_start_ptr + b.to(tl.int64) * stride_db,
+                                       stride_ks, stride_vs, n_full, n_hi, pos_q, offs_m < S_Q, window, slope2,
+                                       qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI, UPCAST, DOCS, WINDOW)
     else:
         acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
                                         slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
@@ -197,6 +224,10 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
                                         pos_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST,
                                         False)
 
+    if WINDOW:
+        # A row past S_Q (never stored) may sit beyond every key's window and have l = 0; a sum
+        # of 1 keeps 0/0 and log(0) out of it.
+        l_i = tl.where(offs_m < S_Q, l_i, 1.0)
     o = acc / l_i[:, None]
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_mask)
@@ -205,9 +236,11 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, stride_os, stride_dob, stride_doh,
-        stride_dos, H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    # delta_i = sum_d o_id * do_id, the row term of the softmax backward.
+def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, lse_ptr, sinks_ptr, dsinks_ptr, stride_ob, stride_oh,
+        stride_os, stride_dob, stride_doh, stride_dos, H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+        SINKS: tl.constexpr):
+    # delta_i = sum_d o_id * do_id, the row term of the softmax backward; with SINKS also this
+    # tile's share of d sink_h (flash_attention_bwd_triton derives it), one partial sum per program.
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -215,17 +248,24 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, stride_ob, stride_oh, strid
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = offs_m[:, None] < S_Q
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask, other=0.0)
+    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask,
+                other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask,
+                 other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, delta, mask=offs_m < S_Q)
+    if SINKS:
+        lse = tl.load(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=offs_m < S_Q, other=0.0)
+        p_sink = tl.exp(tl.load(sinks_ptr + h).to(tl.float32) - lse)
+        share = -tl.sum(tl.where(offs_m < S_Q, p_sink * delta, 0.0), 0)
+        tl.store(dsinks_ptr + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, share)
 
 
 @triton.jit
 def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
-        m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET,
+        m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         q = _load_rows(q_base, stride_qs, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
@@ -244,6 +284,8 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_ba
             if DOCS:
                 start_q = tl.load(doc_base + pos_q, mask=offs_m < S_Q, other=0)
                 visible = visible & (offs_n[:, None] >= start_q[None, :])
+            if WINDOW:
+                visible = visible & (offs_n[:, None] > pos_q[None, :] - window)
             p_t = tl.where(visible, p_t, 0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv)
         dp_t = tl.dot(v, tl.trans(do))
@@ -254,19 +296,20 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_ba
 
 @triton.jit
 def _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
-        m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr,
+        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
     """One query head's share of a key tile: query tiles [m_lo, m_diag_hi) and [m_tail, m_hi)
     masked, [m_full, m_free) without a mask."""
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_lo, m_diag_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              True, CAUSAL, ALIBI, UPCAST, DOCS)
+                              m_lo, m_diag_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_full, m_free, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              False, CAUSAL, ALIBI, UPCAST, False)
+                              m_full, m_free, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              False, CAUSAL, ALIBI, UPCAST, False, False)
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_tail, m_hi, offs_n, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              True, CAUSAL, ALIBI, UPCAST, DOCS)
+                              m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
+                              True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
     return dk, dv
 
 
@@ -287,9 +330,10 @@ def _doc_query_tiles(doc_base, n0, m_full, m_even, S_Q, S_K, Q_OFFSET, BLOCK_M: 
 def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, slopes_ptr, doc_start_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
-        H, G, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
+        H, G, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr):
     # One program per (key tile, batch, KV head); it sums over the GROUP query heads sharing
     # that KV head, so GQA needs neither repeated K/V nor atomics.
     pid_n = tl.program_id(0)
@@ -312,8 +356,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 
     # Query tiles [m_lo, m_full) straddle the causal diagonal; [m_full, m_even) see every
     # key of this tile and lie inside S_Q; [m_even, S_Q) is the ragged tail (which may also
-    # straddle the diagonal), so only the middle range runs without a mask. With documents that
-    # range ends at m_free, and no query from m_hi on sees this tile (_doc_query_tiles).
+    # straddle the diagonal), so only the middle range runs without a mask. With documents or a
+    # window that range ends at m_free, and no query from m_hi on sees this tile.
     m_lo = 0
     m_full = 0
     if CAUSAL:
@@ -325,6 +369,12 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
     if DOCS:
         doc_base = doc_start_ptr + b * stride_db
         m_free, m_hi = _doc_query_tiles(doc_base, n0, m_full, m_even, S_Q, S_K, Q_OFFSET, BLOCK_M, BLOCK_N)
+    if WINDOW:
+        # A query at p sees the whole tile once p >= n0 + BLOCK_N - 1 (m_full) while p < n0 + window,
+        # and none of it from p = n0 + BLOCK_N - 1 + window on.
+        m_free = max(m_full, min(m_free, (max(n0 + window - Q_OFFSET, 0) // BLOCK_M) * BLOCK_M))
+        m_hi = min(m_hi, max(n0 + BLOCK_N - 1 + window - Q_OFFSET, 0))
+    if DOCS or WINDOW:
         m_diag_hi, m_tail = min(m_full, m_hi), m_free
     for r in range(0, GROUP):
         h = g * GROUP + r
@@ -336,7 +386,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
             slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
         dk, dv = _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q, doc_base,
                                    stride_qs, stride_dos, m_lo, m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n,
-                                   slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, CAUSAL, ALIBI, UPCAST, DOCS)
+                                   window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, CAUSAL, ALIBI, UPCAST,
+                                   DOCS, WINDOW)
 
     # dk, dv are contiguous (B, G, S_K, D), allocated by the wrapper.
     out = pid_bg.to(tl.int64) * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
@@ -347,7 +398,7 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
 @triton.jit
 def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
         qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        ALIBI: tl.constexpr, UPCAST: tl.constexpr, LEFT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
@@ -355,7 +406,7 @@ def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
-            p = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, DOCS), p, 0.0)
+            p = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, LEFT), p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
@@ -363,14 +414,14 @@ def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
 
 
 @triton.jit
-def _attn_dq_docs(dq, q, do, lse2, delta, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
-        slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
-        UPCAST: tl.constexpr):
-    """The key tiles of one causal query tile with documents, split as in _attn_fwd_docs."""
-    start_q, n_lo, n_doc = _doc_key_tiles(doc_base, pos_q, rows, BLOCK_N)
-    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_doc, n_full), pos_q,
-                        start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
-    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_doc, n_full, pos_q, start_q,
+def _attn_dq_left(dq, q, do, lse2, delta, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
+        window, slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
+        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
+    """The key tiles of one causal query tile with a left bound, split as in _attn_fwd_left."""
+    start_q, n_lo, n_left = _left_key_tiles(doc_base, pos_q, rows, window, BLOCK_N, DOCS, WINDOW)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_left, n_full),
+                        pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_left, n_full, pos_q, start_q,
                         slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST, False)
     dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi, pos_q,
                         start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
@@ -381,9 +432,10 @@ def _attn_dq_docs(dq, q, do, lse2, delta, k_base, v_base, doc_base, stride_ks, s
 def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, slopes_ptr, doc_start_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
-        H, GROUP, S_Q, S_K, Q_OFFSET, qk_scale, sm_scale,
+        H, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr):
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
@@ -416,9 +468,10 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
         n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if DOCS:
-        dq = _attn_dq_docs(dq, q, do, lse2, delta, k_base, v_base, doc_start_ptr + b * stride_db, stride_ks, stride_vs,
-                           n_full, n_hi, pos_q, row_mask, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI, UPCAST)
+    if DOCS or WINDOW:
+        dq = _attn_dq_left(dq, q, do, lse2, delta, k_base, v_base, doc_start_ptr + b * stride_db, stride_ks, stride_vs,
+                           n_full, n_hi, pos_q, row_mask, window, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI,
+                           UPCAST, DOCS, WINDOW)
     else:
         dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
                             slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
@@ -439,21 +492,22 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS):
+def _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS, window):
+    """Shapes, the constexpr flags every attention kernel takes and the scalars they share."""
     B, H, S_Q, D = q_BHSD.shape
     G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
     flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi_slopes_H is not None,
-                 UPCAST=upcast(backend, q_BHSD.dtype), DOCS=doc_start_BS is not None)
-    scalars = dict(GROUP=H // G, S_Q=S_Q, S_K=S_K, Q_OFFSET=max(S_K - S_Q, 0),
+                 UPCAST=upcast(backend, q_BHSD.dtype), DOCS=doc_start_BS is not None, WINDOW=window > 0)
+    scalars = dict(GROUP=H // G, S_Q=S_Q, S_K=S_K, Q_OFFSET=max(S_K - S_Q, 0), window=window,
                    qk_scale=softmax_scale * LOG2E)
     return B, H, G, S_Q, S_K, D, flags, scalars
 
 
-def _slopes(alibi_slopes_H, like):
-    # Without ALiBi the kernels never read this pointer; any fp32 tensor on the device will do.
-    if alibi_slopes_H is None:
+def _as_fp32(t_H, like):
+    # Without ALiBi or sinks the kernels never read this pointer; any fp32 tensor on the device will do.
+    if t_H is None:
         return like
-    return alibi_slopes_H.to(device=like.device, dtype=torch.float32).contiguous()
+    return t_H.to(device=like.device, dtype=torch.float32).contiguous()
 
 
 def _doc_starts(doc_start_BS, causal, S_Q, S_K, like):
@@ -469,15 +523,26 @@ def _doc_starts(doc_start_BS, causal, S_Q, S_K, like):
     return starts_BS, starts_BS.stride(0)
 
 
+def _check_window(window, causal, S_Q, S_K):
+    # The window kernels bound each query's keys from the left only and assume the causal bound on
+    # the right; a query must see at least itself.
+    if window < 0 or (window > 0 and (not causal or S_Q > S_K)):
+        raise ValueError(f"flash_attention: window={window} needs window >= 0, and for a window causal "
+                         f"attention with S_Q <= S_K; got causal={causal}, S_Q={S_Q}, S_K={S_K}")
+
+
 def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
-                               config: AttnConfig | None = None, *, doc_start_BS=None):
+                               config: AttnConfig | None = None, *, doc_start_BS=None, sinks_H=None, window=0):
     """Returns (o_BHSD, lse_BHS): the attention output and the natural-log logsumexp of each row
-    of scaled (and biased) logits, which the backward pass needs. `config` overrides the shipped
-    tile (bench/kernels.py --tune tries candidates through it). `doc_start_BS` (B, S_K), causal
-    only: where each position's document begins (kernels/flash_attention.py)."""
+    of scaled (and biased) logits, the sink included, which the backward pass needs. `config`
+    overrides the shipped tile (bench/kernels.py --tune tries candidates through it).
+    `doc_start_BS` (B, S_K), causal only: where each position's document begins; `sinks_H` (H,):
+    each head's sink logit; `window` (0: none): a query sees the `window` positions up to its own
+    (kernels/flash_attention.py)."""
     q_BHSD, k_BGSD, v_BGSD = (_inner_contiguous(t) for t in (q_BHSD, k_BGSD, v_BGSD))
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend, doc_start_BS)
+                                                      softmax_scale, backend, doc_start_BS, window)
+    _check_window(window, causal, S_Q, S_K)
     cfg = config or attention_configs(D, q_BHSD.dtype, backend == "interpret").fwd
     o_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     lse_BHS = torch.empty(B, H, S_Q, dtype=torch.float32, device=q_BHSD.device)
@@ -486,61 +551,94 @@ def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, s
         return o_BHSD, lse_BHS
     with device_guard(q_BHSD):
         _attn_fwd_kernel[(_cdiv(S_Q, cfg.BLOCK_M), B * H)](
-            q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, _slopes(alibi_slopes_H, lse_BHS), doc_start,
+            q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, _as_fp32(alibi_slopes_H, lse_BHS), doc_start,
+            _as_fp32(sinks_H, lse_BHS),
             *q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *o_BHSD.stride()[:3], stride_db,
-            H, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"],
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags,
+            H, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], window, scalars["qk_scale"],
+            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, **flags, SINKS=sinks_H is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return o_BHSD, lse_BHS
 
 
 def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
-                               softmax_scale, backend, configs: AttnConfigs | None = None, *, doc_start_BS=None):
-    """Returns (dq_BHSD, dk_BGSD, dv_BGSD), contiguous, in the inputs' dtype. `configs` overrides
-    the shipped tiles (its fwd entry is unused); `doc_start_BS` as in the forward."""
+                               softmax_scale, backend, configs: AttnConfigs | None = None, *, doc_start_BS=None,
+                               sinks_H=None, window=0):
+    """Returns (dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H), contiguous, in the inputs' dtypes; dsinks_H
+    is empty, shape (0,), without sinks. `configs` overrides the shipped tiles (its fwd entry is
+    unused); `doc_start_BS`, `sinks_H` and `window` as in the forward.
+
+    The sink's gradient: row (b, h, i) has logits z_j = s_ij over its visible keys and z_sink =
+    sink_h, p = softmax(z), o_i = sum_j p_j v_j (the sink has no value, v_sink = 0). With
+    dp_c = dL/dp_c = dO_i . v_c, the softmax backward gives dL/dz_c = p_c (dp_c - sum_c' p_c' dp_c'),
+    and sum_c' p_c' dp_c' = dO_i . o_i = delta_i. For the sink dp_sink = 0, so
+
+        dL/d sink_h = -sum_(b,i) p_sink,bhi * delta_bhi,   p_sink,bhi = exp(sink_h - lse_bhi),
+
+    while the keys' ds_ij = p_ij (dp_ij - delta_i) is unchanged (lse includes the sink).
+    """
     do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD = (
         _inner_contiguous(t) for t in (do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD))
     lse_BHS = lse_BHS.contiguous()
     B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend, doc_start_BS)
+                                                      softmax_scale, backend, doc_start_BS, window)
+    _check_window(window, causal, S_Q, S_K)
     cfgs = configs or attention_configs(D, q_BHSD.dtype, backend == "interpret")
     dq_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
     dk_BGSD = torch.empty(B, G, S_K, D, dtype=k_BGSD.dtype, device=k_BGSD.device)
     dv_BGSD = torch.empty(B, G, S_K, D, dtype=v_BGSD.dtype, device=v_BGSD.device)
+    dsinks_H = q_BHSD.new_zeros(0) if sinks_H is None else torch.zeros_like(sinks_H)
     if S_Q == 0 or dk_BGSD.numel() == 0:
-        return dq_BHSD.zero_(), dk_BGSD.zero_(), dv_BGSD.zero_()
+        return dq_BHSD.zero_(), dk_BGSD.zero_(), dv_BGSD.zero_(), dsinks_H
     delta_BHS = torch.empty_like(lse_BHS)
-    slopes = _slopes(alibi_slopes_H, lse_BHS)
+    # One partial d sink per (batch, head, query tile), summed below in a fixed order: no atomics,
+    # so the gradient is the same from run to run.
+    n_m = _cdiv(S_Q, cfgs.dq.BLOCK_M)
+    dsinks_BHT = lse_BHS if sinks_H is None else torch.empty(B, H, n_m, dtype=torch.float32, device=lse_BHS.device)
+    slopes = _as_fp32(alibi_slopes_H, lse_BHS)
     doc_start, stride_db = _doc_starts(doc_start_BS, causal, S_Q, S_K, lse_BHS)
     strides = (*q_BHSD.stride()[:3], *k_BGSD.stride()[:3], *v_BGSD.stride()[:3], *do_BHSD.stride()[:3], stride_db)
+    tail = (scalars["Q_OFFSET"], window, scalars["qk_scale"], softmax_scale)
     with device_guard(q_BHSD):
-        _attn_bwd_delta_kernel[(_cdiv(S_Q, cfgs.dq.BLOCK_M), B * H)](
-            o_BHSD, do_BHSD, delta_BHS, *o_BHSD.stride()[:3], *do_BHSD.stride()[:3], H, S_Q,
-            HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, num_warps=4,
+        _attn_bwd_delta_kernel[(n_m, B * H)](
+            o_BHSD, do_BHSD, delta_BHS, lse_BHS, _as_fp32(sinks_H, lse_BHS), dsinks_BHT, *o_BHSD.stride()[:3],
+            *do_BHSD.stride()[:3], H, S_Q, HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, SINKS=sinks_H is not None,
+            num_warps=4,
         )
         _attn_bwd_dkdv_kernel[(_cdiv(S_K, cfgs.dkdv.BLOCK_N), B * G)](
             q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dk_BGSD, dv_BGSD, slopes, doc_start, *strides,
-            H, G, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"], softmax_scale,
+            H, G, scalars["GROUP"], S_Q, S_K, *tail,
             BLOCK_M=cfgs.dkdv.BLOCK_M, BLOCK_N=cfgs.dkdv.BLOCK_N, **flags,
             num_warps=cfgs.dkdv.num_warps, num_stages=cfgs.dkdv.num_stages,
         )
-        _attn_bwd_dq_kernel[(_cdiv(S_Q, cfgs.dq.BLOCK_M), B * H)](
+        _attn_bwd_dq_kernel[(n_m, B * H)](
             q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dq_BHSD, slopes, doc_start, *strides,
-            H, scalars["GROUP"], S_Q, S_K, scalars["Q_OFFSET"], scalars["qk_scale"], softmax_scale,
+            H, scalars["GROUP"], S_Q, S_K, *tail,
             BLOCK_M=cfgs.dq.BLOCK_M, BLOCK_N=cfgs.dq.BLOCK_N, **flags,
             num_warps=cfgs.dq.num_warps, num_stages=cfgs.dq.num_stages,
         )
-    return dq_BHSD, dk_BGSD, dv_BGSD
+    if sinks_H is not None:
+        dsinks_H = dsinks_BHT.sum((0, 2)).to(sinks_H.dtype)
+    return dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H
+
+
+# Variants (causal, alibi, docs, sinks, window) compiled ahead of time besides the plain causal one,
+# by (element size, head dim): every code path at least once, on the tiles that would run it
+# (GPT-OSS: bf16, D=64, causal with sinks, every other layer windowed).
+_AOT_EXTRA_VARIANTS = {
+    (2, 64): ((True, False, False, True, True),),
+    (2, 128): ((False, True, False, False, False), (True, False, True, False, False), (True, False, False, True, True),
+               (True, False, True, True, True)),
+}
 
 
 def compile_specs():
     """Every shipped configuration, with arguments shaped like a Mixtral-8x7B layer (32 query
     heads over 8 KV heads, 4k positions), for compiling ahead of time (see moetron.kernels.aot).
-    Each is compiled causal without ALiBi or documents, the training case; bf16 D=128 also full
-    with ALiBi and causal with documents, to compile those code paths too (they use the same
-    tiles). Without documents the kernels are passed the logsumexp (fp32) for the unread
-    doc_start pointer and a batch stride of 0, as the launchers do."""
+    Each is compiled causal without ALiBi, documents, sinks or a window, the training case; some
+    also with those (_AOT_VARIANTS), to compile those code paths too (they use the same tiles).
+    Pointers a variant does not read are passed the logsumexp (fp32) and a batch stride of 0 or a
+    window of 0, as the launchers do."""
     H, G, S = 32, 8, 4096  # batch strides as for one sequence: a kernel never steps past it
     for (size, D), cfgs in SHIPPED_CONFIGS.items():
         dtype = {2: torch.bfloat16, 4: torch.float32}[size]
@@ -550,20 +648,23 @@ def compile_specs():
         do_strides = dict(stride_dob=H * S * D, stride_doh=S * D, stride_dos=D)
         scalars = dict(H=H, G=G, GROUP=H // G, S_Q=S, S_K=S, Q_OFFSET=0, qk_scale=0.1, sm_scale=0.1)
         pointers = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"], dtype)
-        pointers |= dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr"], torch.float32)
+        pointers |= dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr", "sinks_ptr", "dsinks_ptr"], torch.float32)
         args = pointers | q_strides | k_strides | v_strides | do_strides | scalars
         args |= dict(stride_ob=H * S * D, stride_oh=S * D, stride_os=D)
-        variants = [(True, False, False)]  # (causal, alibi, docs)
-        if (size, D) == (2, 128):
-            variants += [(False, True, False), (True, False, True)]
-        for causal, alibi, docs in variants:
-            flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False, DOCS=docs)
-            doc_args = dict(doc_start_ptr=torch.int32 if docs else torch.float32, stride_db=S if docs else 0)
-            tag = f"{dtype},D={D},causal={causal},alibi={alibi}" + (",docs=True" if docs else "")
+        variants = ((True, False, False, False, False),) + _AOT_EXTRA_VARIANTS.get((size, D), ())
+        for causal, alibi, docs, sinks, window in variants:
+            flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False, DOCS=docs, WINDOW=window)
+            run_args = args | dict(doc_start_ptr=torch.int32 if docs else torch.float32, stride_db=S if docs else 0,
+                                   window=128 if window else 0)
+            tag = f"{dtype},D={D},causal={causal},alibi={alibi}" + "".join(
+                f",{name}=True" for name, on in (("docs", docs), ("sinks", sinks), ("window", window)) if on)
             for name, kernel, cfg in (("fwd", _attn_fwd_kernel, cfgs.fwd), ("dkdv", _attn_bwd_dkdv_kernel, cfgs.dkdv),
-                                         ("dq", _attn_bwd_dq_kernel, cfgs.dq)):
+                                      ("dq", _attn_bwd_dq_kernel, cfgs.dq)):
                 consts = flags | dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N)
-                yield KernelSpec(f"attention_{name}[{tag}]", kernel, args | doc_args, consts, cfg.num_warps,
+                if name == "fwd":
+                    consts |= dict(SINKS=sinks)
+                yield KernelSpec(f"attention_{name}[{tag}]", kernel, run_args, consts, cfg.num_warps,
                                  cfg.num_stages)
-        yield KernelSpec(f"attention_delta[{dtype},D={D}]", _attn_bwd_delta_kernel, args,
-                         dict(HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M), 4, 3)
+        for sinks in sorted({v[3] for v in variants}):
+            yield KernelSpec(f"attention_delta[{dtype},D={D}" + (",sinks=True]" if sinks else "]"),
+                             _attn_bwd_delta_kernel, args, dict(HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, SINKS=sinks), 4, 3)
