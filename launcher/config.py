@@ -455,8 +455,25 @@ def validate(cfg: Config) -> None:
     for section in ("model", "parallel", "train", "data", "kernel", "slurm"):
         for key, value, rule in getattr(cfg, section).problems():
             raise ConfigError(f"{section}.{key} = {value!r}: {rule}")
-    for key, value, rule in _cross_section_problems(cfg):
+    for key, value, rule in _cross_section_problems(cfg) + _mtp_problems(cfg):
         raise ConfigError(f"{key} = {value!r}: {rule}")
+
+
+def _mtp_problems(cfg: Config) -> list[Problem]:
+    """Multi-token prediction (model/mtp.py) predicts tokens ahead of whole causal windows."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not m.mtp_depth:
+        return []
+    out: list[Problem] = []
+    if t.objective != "clm":
+        out.append(("model.mtp_depth", m.mtp_depth, "needs train.objective clm (next-token prediction)"))
+    if m.mtp_depth >= t.seq_len:
+        out.append(("model.mtp_depth", m.mtp_depth, f"must be below train.seq_len ({t.seq_len}): depth k scores "
+                                                    "the seq_len − k positions with a target"))
+    if p.cp > 1:
+        # Depth k embeds the token k places ahead, which may sit in another cp rank's chunk.
+        out.append(("parallel.cp", p.cp, "must be 1 with model.mtp_depth > 0 (the tokens ahead cross chunks)"))
+    return out
 
 
 def _cross_section_problems(cfg: Config) -> list[Problem]:

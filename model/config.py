@@ -44,6 +44,10 @@ class MoEConfig:
     # With one group per EP rank a token's routes reach at most topk_groups ranks. 0: off.
     num_groups: int = 0
     topk_groups: int = 0
+    # A group's score for that choice: the sum of its best `group_score_top` scores; 0 takes
+    # top_k // topk_groups (megatron-core). DeepSeek-V3 sums its best 2, DeepSeek-V2's
+    # group_limited_greedy takes the group's best 1 (its max).
+    group_score_top: int = 0
     aux_loss_coef: float = 0.01
     # Where the balance loss counts loads: "micro_batch" (Switch, GShard; the routes taken),
     # "global_batch" (Qwen3, Megatron-Core's global_aux_loss: the routes of the step's micro-batches
@@ -101,6 +105,9 @@ class MoEConfig:
                     out.append(("top_k", self.top_k,
                                 f"must be in topk_groups ({self.topk_groups})..the experts of the kept groups "
                                 f"({self.topk_groups * (self.num_experts // self.num_groups)})"))
+                elif not 0 <= self.group_score_top <= self.num_experts // self.num_groups:
+                    out.append(("group_score_top", self.group_score_top,
+                                f"must be in 0..the experts of a group ({self.num_experts // self.num_groups})"))
             if self.weighting == "renormalize" and self.top_k == 1:
                 # Renormalizing one probability makes every weight 1.0 and starves the router of gradient.
                 out.append(("weighting", self.weighting, "top_k=1 needs weighting=softmax (Switch)"))
@@ -134,6 +141,10 @@ class MLAConfig:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
+    # With rope_scaling yarn, YaRN's temperature scales the softmax scale, so every q·k dim and not
+    # only the rotated ones, by (0.1 · yarn_mscale · ln(factor) + 1)² and leaves cos and sin alone
+    # (DeepSeek's mscale_all_dim: 0.707 in V2, 1.0 in V3).
+    yarn_mscale: float = 1.0
 
     @property
     def enabled(self) -> bool:
@@ -153,6 +164,8 @@ class MLAConfig:
                 out.append(("qk_rope_head_dim", self.qk_rope_head_dim, "must be even and >= 2"))
             if self.v_head_dim < 1:
                 out.append(("v_head_dim", self.v_head_dim, "must be >= 1"))
+            if self.yarn_mscale < 0:
+                out.append(("yarn_mscale", self.yarn_mscale, "must be >= 0"))
         return out
 
 
@@ -190,6 +203,10 @@ class ModelConfig:
     rope_scaling_factor: float = 1.0
     # YaRN's original context (the length the model was trained at); null takes max_seq_len.
     rope_original_max_seq_len: Optional[int] = None
+    # YaRN's ramp between the kept and the interpolated frequencies starts and ends at whole pair
+    # indices (true: floor and ceil, transformers' `truncate` default) or where the formula puts
+    # them (false: GPT-OSS).
+    rope_yarn_truncate: bool = True
     max_seq_len: int = 2048
     dropout: float = 0.0
     bias: bool = False
@@ -245,7 +262,8 @@ class ModelConfig:
             return 0
         if not self.layer_types:
             return self.sliding_window
-        return self.sliding_window if self.layer_types[layer] == "sliding" else 0
+        # An MTP block (layer >= n_layers, model/mtp.py) that layer_types does not list attends fully.
+        return self.sliding_window if layer < len(self.layer_types) and self.layer_types[layer] == "sliding" else 0
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
@@ -263,7 +281,7 @@ class ModelConfig:
             out.append(("n_kv_heads", self.kv_heads, f"must divide n_heads ({self.n_heads}) for grouped-query attention"))
         if self.head_dim is None and self.d_model % self.n_heads:
             out.append(("n_heads", self.n_heads, f"must divide d_model ({self.d_model}), or set head_dim"))
-        if self.position == "rope" and self.dim_head % 2:
+        if self.position == "rope" and not self.mla.enabled and self.dim_head % 2:  # mla: qk_rope_head_dim
             out.append(("head_dim", self.dim_head, "must be even for rope"))
         if self.position == "sinusoidal" and self.d_model % 2:
             out.append(("d_model", self.d_model, "must be even for sinusoidal positions"))
@@ -301,6 +319,11 @@ class ModelConfig:
                 out.append(("layer_types", list(self.layer_types), "entries must be full or sliding"))
             elif not self.sliding_window:
                 out.append(("layer_types", list(self.layer_types), "needs sliding_window > 0"))
+        if self.sliding_window and not self.causal:
+            out.append(("sliding_window", self.sliding_window, "must be 0 with causal: false (a window looks back)"))
+        moe = self.moe
+        if (moe.swiglu_limit, moe.swiglu_alpha, moe.swiglu_up_offset) != (0.0, 1.0, 0.0) and self.activation != "swiglu":
+            out.append(("activation", self.activation, "must be swiglu with moe.swiglu_limit/alpha/up_offset set"))
         if self.mtp_depth < 0:
             out.append(("mtp_depth", self.mtp_depth, "must be >= 0 (0: no multi-token prediction)"))
         if self.mtp_loss_weight < 0:
@@ -312,6 +335,11 @@ class ModelConfig:
                 out.append(("position", self.position, "must be rope with mla (its decoupled key is a RoPE key)"))
             if self.qk_norm != "none":
                 out.append(("qk_norm", self.qk_norm, "must be none with mla (its latents have their own norms)"))
+            # Not built for MLA (DeepSeek has none of them): biases, sinks and sliding windows.
+            for key, plain in (("bias", False), ("attention_bias", "none"), ("attention_sinks", False),
+                               ("sliding_window", 0)):
+                if getattr(self, key) != plain:
+                    out.append((key, getattr(self, key), f"must be {plain!r} with mla"))
         if self.moe.dense_layers and any(not 0 <= i < self.n_layers for i in self.moe.dense_layers):
             out.append(("moe.dense_layers", list(self.moe.dense_layers), f"must be layers in 0..{self.n_layers - 1}"))
         return out

@@ -26,12 +26,14 @@ our experts are input-major (E, in, out), so every expert matrix is transposed o
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.hf_files import HFFolder, shard_names, shard_plan, write_index, write_shard
 from moetron.model.hf_families import (
     ARCHITECTURES,
     BY_QK_NORM,
@@ -45,8 +47,6 @@ from moetron.model.hf_families import (
 from moetron.model.transformer import Decoder
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
 # MixtralConfig's defaults, for keys a config.json leaves out.
 HF_DEFAULTS: dict[str, Any] = {
@@ -66,7 +66,16 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 #   config_to_hf(cfg, family) -> dict    the whole config.json but the keys common_hf_keys() writes
 #   problems(cfg, family) -> list[(field, value, rule)]
 #   tensors_from_hf(get, keys, cfg) / tensors_to_hf(model): as this module's functions below
-_FAMILY_MODULES: dict[str, str] = {}
+#   ignored_hf_keys(keys, cfg) -> set[str]   optional: tensors a folder may hold that are left
+#                                        unread on purpose (any other unread one is refused)
+# Conversions stream (`moetron convert` never holds the whole model), so both run twice: first
+# on meta tensors (shapes and dtypes, no data) to plan the files, then on the data. They must
+# therefore use only ops that work on meta tensors, read tensors only through `get` and
+# `model.state_dict()` (a mapping that may load each tensor as it is looked up: look each up
+# once, in the order you yield), use nothing of `model` but `.cfg` and `.state_dict()` (it may
+# be a `Weights`, below), and yield in the same order every time.
+_FAMILY_MODULES: dict[str, str] = {"gpt_oss": "hf_gpt_oss", "deepseek_v2": "hf_deepseek", "deepseek_v3": "hf_deepseek",
+                                   "qwen2_moe": "hf_qwen2_moe"}
 
 
 def family_module(family: str):
@@ -191,7 +200,8 @@ def common_hf_keys(cfg: ModelConfig, family: str, dtype: torch.dtype, eos_id: in
     special = {} if eos_id is None else {"eos_token_id": eos_id}
     out = {
         **special,
-        "architectures": [ARCHITECTURES[family]], "model_type": family,
+        # A family of its own module writes its architecture in its config_to_hf.
+        "architectures": [ARCHITECTURES.get(family, "")], "model_type": family,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_expert_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.dim_head, "hidden_act": "silu",
@@ -231,7 +241,7 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
     if family in _FAMILY_MODULES:
         yield from family_module(family).tensors_from_hf(get, keys, cfg)
         return
-    per_expert, (w_gate, w_up, w_down) = _EXPERTS[hf_family(cfg)]
+    per_expert, (w_gate, w_up, w_down) = _EXPERTS[family]
     yield "embed.weight", get("model.embed_tokens.weight")
     for i in range(cfg.n_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
@@ -241,25 +251,46 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
             continue
         moe = f"{hf}{per_expert}" if f"{hf}{per_expert}gate.weight" in keys else f"{hf}mlp."
         yield f"{ours}ffn.router.gate.weight", get(f"{moe}gate.weight")
-        if f"{moe}experts.gate_up_proj" in keys:
-            gate_up_E2FD = get(f"{moe}experts.gate_up_proj")
-            gate_EFD, up_EFD = gate_up_E2FD.chunk(2, dim=1)
-            gate_EDF, up_EDF = gate_EFD.transpose(1, 2), up_EFD.transpose(1, 2)
-            down_EFD = get(f"{moe}experts.down_proj").transpose(1, 2)
-        else:
-            def stack(name: str) -> torch.Tensor:
-                return torch.stack([get(f"{moe}experts.{e}.{name}.weight").t() for e in range(cfg.moe.num_experts)])
-
-            gate_EDF, up_EDF, down_EFD = stack(w_gate), stack(w_up), stack(w_down)
-        yield f"{ours}ffn.experts.w_gate_EDF", gate_EDF
-        yield f"{ours}ffn.experts.w_up_EDF", up_EDF
-        yield f"{ours}ffn.experts.w_down_EFD", down_EFD
+        for key, tensor in experts_from_hf(get, keys, f"{moe}experts.", (w_gate, w_up, w_down), cfg.moe.num_experts):
+            yield f"{ours}ffn.experts.{key}", tensor
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_embeddings:
         yield "head.weight", get("lm_head.weight")
 
 
-def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
+def experts_from_hf(get: Callable[[str], torch.Tensor], keys: set[str], prefix: str, names: tuple[str, str, str],
+                    num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """("w_gate_EDF" | "w_up_EDF" | "w_down_EFD", tensor) of one MoE layer's experts under `prefix`
+    ("model.layers.{i}.mlp.experts."): the fused layout of transformers 5.x modules when the
+    folder holds it, else per expert, `names` being the (gate, up, down) projections' names."""
+    if f"{prefix}gate_up_proj" in keys:
+        gate_EFD, up_EFD = get(f"{prefix}gate_up_proj").chunk(2, dim=1)
+        yield "w_gate_EDF", gate_EFD.transpose(1, 2)
+        yield "w_up_EDF", up_EFD.transpose(1, 2)
+        yield "w_down_EFD", get(f"{prefix}down_proj").transpose(1, 2)
+        return
+    for key, name in zip(("w_gate_EDF", "w_up_EDF", "w_down_EFD"), names):
+        # Filled expert by expert rather than stacked: one expert's matrix held beside the result, not E.
+        first = get(f"{prefix}0.{name}.weight").t()
+        w_E = first.new_empty((num_experts, *first.shape))
+        w_E[0] = first
+        for e in range(1, num_experts):
+            w_E[e] = get(f"{prefix}{e}.{name}.weight").t()
+        yield key, w_E
+
+
+def experts_to_hf(sd: Mapping[str, torch.Tensor], ours: str, prefix: str, names: tuple[str, str, str],
+                  num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """One MoE layer's experts (moetron's under `ours`, "layers.{i}.ffn.experts.") in the
+    per-expert layout `save_pretrained` writes under `prefix`, `names` as for `experts_from_hf`."""
+    for name, key in zip(names, ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
+        w_E = sd[f"{ours}{key}"]
+        for e in range(num_experts):
+            yield f"{prefix}{e}.{name}.weight", w_E[e].t().contiguous()
+        del w_E  # streamed from a checkpoint, the next one is read while this name still holds it
+
+
+def tensors_to_hf(model: Decoder | Weights) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, contiguous tensor) in the per-expert layout `save_pretrained` writes."""
     cfg, sd = model.cfg, model.state_dict()
     family = hf_family(cfg)
@@ -276,105 +307,172 @@ def tensors_to_hf(model: Decoder) -> Iterator[tuple[str, torch.Tensor]]:
             continue
         moe = f"{hf}{per_expert}"
         yield f"{moe}gate.weight", sd[f"{ours}ffn.router.gate.weight"]
-        for name, key in zip(hf_names, ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
-            w_E = sd[f"{ours}ffn.experts.{key}"]
-            for e in range(cfg.moe.num_experts):
-                yield f"{moe}experts.{e}.{name}.weight", w_E[e].t().contiguous()
+        yield from experts_to_hf(sd, f"{ours}ffn.experts.", f"{moe}experts.", hf_names, cfg.moe.num_experts)
     yield "model.norm.weight", sd["norm.weight"]
     if not cfg.tie_embeddings:
         yield "lm_head.weight", sd["head.weight"]
 
 
 # ---------------------------------------------------------------------------------------------
-# Folders
+# Folders, read and written one tensor at a time (model/hf_files.py)
+
+
+class Weights:
+    """A model's config and its tensors by name, without its modules: all `tensors_to_hf` reads
+    (`cfg`, `state_dict()`), so a conversion can hand it meta tensors (to plan the files) or a
+    mapping that loads each tensor when it is looked up (to stream them)."""
+
+    def __init__(self, cfg: ModelConfig, tensors: Mapping[str, torch.Tensor]):
+        self.cfg, self._tensors = cfg, tensors
+
+    def state_dict(self) -> Mapping[str, torch.Tensor]:
+        return self._tensors
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no {CONFIG_FILE} there")
+    return json.loads(path.read_text())
+
+
+def hf_dtype(hf_cfg: dict[str, Any], folder: HFFolder) -> torch.dtype:
+    """The dtype a folder's weights are meant in: config.json's, else its first floating tensor's."""
+    named = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "")
+    if named is not None:
+        return named
+    return next(t.dtype for t in map(folder.meta, sorted(folder.keys())) if t.dtype.is_floating_point)
+
+
+def ignored_hf_keys(keys: set[str], cfg: ModelConfig) -> set[str]:
+    """Tensors of a Hugging Face folder that no conversion reads, on purpose: RoPE tables some
+    checkpoints store, a tied head's copy, and what a family module's `ignored_hf_keys` names."""
+    out = {k for k in keys if k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_embeddings:
+        out.add("lm_head.weight")
+    family = hf_family(cfg)
+    if family in _FAMILY_MODULES and hasattr(family_module(family), "ignored_hf_keys"):
+        out |= set(family_module(family).ignored_hf_keys(keys, cfg))
+    return out
+
+
+def plan_from_hf(folder: HFFolder, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """{moetron name: meta tensor of the model's shape, in `dtype`} in the order `tensors_from_hf`
+    yields them (a tied head right after the embedding, which it copies), once the folder holds
+    exactly what `cfg`'s family reads: ValueError naming the first tensor missing, of another
+    shape, or left unread. Reads headers only."""
+    asked: set[str] = set()
+
+    def get(key: str) -> torch.Tensor:
+        asked.add(key)
+        try:
+            return folder.meta(key)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+
+    with torch.device("meta"):
+        params = Decoder(cfg).to(dtype).state_dict()
+    plan: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors_from_hf(get, folder.keys(), cfg):
+        if name not in params or params[name].shape != tensor.shape:
+            implied = tuple(params[name].shape) if name in params else "no such tensor"
+            raise ValueError(f"{folder.folder}: {name} has shape {tuple(tensor.shape)}, the config implies {implied}")
+        plan[name] = params[name]
+        if name == "embed.weight" and cfg.tie_embeddings:
+            plan["head.weight"] = params["head.weight"]
+    missing = sorted(set(params) - set(plan))
+    if missing:
+        raise ValueError(f"{folder.folder}: no weights for {missing[:3]}")
+    unread = sorted(folder.keys() - asked - ignored_hf_keys(folder.keys(), cfg))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise ValueError(f"{folder.folder}: tensor {unread[0]}{more} is not one the {hf_family(cfg)} "
+                         f"conversion expects")
+    return plan
+
+
+def read_from_hf(folder: HFFolder, cfg: ModelConfig, plan: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(moetron name, tensor in the plan's dtype) in the plan's order, read as they are needed."""
+    for name, tensor in tensors_from_hf(folder.read, folder.keys(), cfg):
+        tensor = tensor.to(plan[name].dtype)
+        yield name, tensor
+        if name == "embed.weight" and cfg.tie_embeddings:
+            yield "head.weight", tensor
 
 
 def load_hf(hf_dir: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:
-    """Build a Decoder from a Hugging Face Mixtral, Qwen3-MoE or OLMoE folder (config.json +
-    safetensors, sharded or not).
-
-    `dtype` defaults to the checkpoint's. Tensors are read one at a time from memory-mapped files.
-    """
-    from safetensors import safe_open
-
-    hf_dir = Path(hf_dir)
-    hf_cfg = json.loads((hf_dir / CONFIG_FILE).read_text())
+    """Build a Decoder from a Hugging Face folder (config.json + safetensors, sharded or not) of a
+    family `known_families()` lists. `dtype` defaults to the checkpoint's."""
+    hf_cfg = read_hf_config(hf_dir)
     cfg = config_from_hf(hf_cfg)
-    files = _weight_files(hf_dir)
-    handles = {f: safe_open(str(f), framework="pt") for f in set(files.values())}
-    if dtype is None:
-        dtype = _DTYPES.get(hf_cfg.get("dtype") or hf_cfg.get("torch_dtype") or "", None)
-        if dtype is None:
-            dtype = handles[files["model.embed_tokens.weight"]].get_tensor("model.embed_tokens.weight").dtype
-
-    def get(key: str) -> torch.Tensor:
-        if key not in files:
-            raise KeyError(f"{hf_dir}: tensor {key} missing from the safetensors files")
-        return handles[files[key]].get_tensor(key)
-
-    with torch.device("cpu"):
-        model = Decoder(cfg).to(dtype)
-    params = model.state_dict()
-    loaded = set()
-    with torch.no_grad():
-        for name, tensor in tensors_from_hf(get, set(files), cfg):
-            if params[name].shape != tensor.shape:
-                raise ValueError(f"{hf_dir}: {name} has shape {tuple(tensor.shape)}, the config implies "
-                                 f"{tuple(params[name].shape)}")
-            params[name].copy_(tensor)
-            loaded.add(name)
-    missing = set(params) - loaded - ({"head.weight"} if cfg.tie_embeddings else set())
-    if missing:
-        raise ValueError(f"{hf_dir}: no weights for {sorted(missing)[:3]}")
+    folder = HFFolder(hf_dir)
+    try:
+        dtype = dtype or hf_dtype(hf_cfg, folder)
+        plan = plan_from_hf(folder, cfg, dtype)
+        with torch.device("cpu"):
+            model = Decoder(cfg).to(dtype)
+        params = model.state_dict()
+        with torch.no_grad():
+            for name, tensor in read_from_hf(folder, cfg, plan):
+                if name != "head.weight" or not cfg.tie_embeddings:
+                    params[name].copy_(tensor)
+    finally:
+        folder.close()
     return model
+
+
+class _Looked(dict):
+    """A dict that remembers which keys were looked up."""
+
+    def __init__(self, items: Mapping[str, torch.Tensor]):
+        super().__init__(items)
+        self.looked: set[str] = set()
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        self.looked.add(key)
+        return super().__getitem__(key)
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+
+def plan_to_hf(cfg: ModelConfig, meta: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, meta tensor) of every tensor `tensors_to_hf` writes, in its order, from
+    the model's tensors as meta tensors (shapes and dtypes, no data); ValueError naming a tensor
+    of the model that the family's folder has no place for (it would be lost)."""
+    looked = _Looked(meta)
+    plan = [(name, torch.empty_like(t, device="meta")) for name, t in tensors_to_hf(Weights(cfg, looked))]
+    unread = sorted(set(meta) - looked.looked - ({"head.weight"} if cfg.tie_embeddings else set()))
+    if unread:
+        more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+        raise ValueError(f"tensor {unread[0]}{more} has no place in a {hf_family(cfg)} folder")
+    return plan
+
+
+def write_hf(weights: Weights, out_dir: str | Path, dtype: torch.dtype, plan: list[tuple[str, torch.Tensor]], *,
+             eos_id: int | None = None, max_shard_bytes: int = 5 * 2**30,
+             on_tensor: Callable[[int], None] | None = None) -> list[Path]:
+    """Write config.json and safetensors shards (with an index when there is more than one) into
+    `out_dir` (created if need be), each tensor written as `tensors_to_hf(weights)` yields it, in
+    the order and shapes of `plan` (`plan_to_hf`). `on_tensor(bytes)` after each tensor."""
+    out_dir = Path(out_dir)
+    hf_cfg = config_to_hf(weights.cfg, dtype, eos_id=eos_id)
+    shards = shard_plan(plan, max_shard_bytes)
+    names = shard_names(len(shards))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / CONFIG_FILE).write_text(json.dumps(hf_cfg, indent=2) + "\n")
+    tensors = tensors_to_hf(weights)
+    for name, shard in zip(names, shards):
+        write_shard(out_dir / name, shard, tensors, on_tensor)
+    if len(shards) > 1:
+        write_index(out_dir, shards, names)
+    return [out_dir / n for n in names]
 
 
 def save_hf(model: Decoder, out_dir: str | Path, *, eos_id: int | None = None,
             max_shard_bytes: int = 5 * 2**30) -> list[Path]:
-    """Write config.json and safetensors shards (with an index when there is more than one)."""
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    dtype = model.embed.weight.dtype
-    (out_dir / CONFIG_FILE).write_text(json.dumps(config_to_hf(model.cfg, dtype, eos_id=eos_id), indent=2) + "\n")
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors_to_hf(model):
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().cpu().contiguous()
-        size += nbytes
-    if len(shards) == 1:
-        names = [WEIGHTS_FILE]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for name, shard in zip(names, shards):
-        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    if len(shards) > 1:
-        total = sum(t.numel() * t.element_size() for s in shards for t in s.values())
-        (out_dir / INDEX_FILE).write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-    return [out_dir / n for n in names]
-
-
-def _weight_files(hf_dir: Path) -> dict[str, Path]:
-    """Tensor name → the safetensors file holding it."""
-    from safetensors import safe_open
-
-    index = hf_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {k: hf_dir / f for k, f in weight_map.items()}
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (only safetensors weights convert)")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
+    """Write `model` as a Hugging Face folder of its family (`hf_family`): see `write_hf`."""
+    tensors = {k: v.detach() for k, v in model.state_dict().items()}
+    plan = plan_to_hf(model.cfg, {k: torch.empty_like(v, device="meta") for k, v in tensors.items()})
+    return write_hf(Weights(model.cfg, tensors), out_dir, model.embed.weight.dtype, plan, eos_id=eos_id,
+                    max_shard_bytes=max_shard_bytes)

@@ -17,10 +17,19 @@ def build_norm(kind: str, d_model: int, eps: float) -> nn.Module:
     return nn.LayerNorm(d_model, eps=eps)
 
 
-def activate(kind: str, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up (Shazeer 2020); ReLU and GeLU take no `up` projection."""
+def activate(kind: str, gate: torch.Tensor, up: torch.Tensor | None, *, limit: float = 0.0, alpha: float = 1.0,
+             up_offset: float = 0.0) -> torch.Tensor:
+    """SwiGLU: silu(gate) * up (Shazeer 2020); ReLU and GeLU take no `up` projection.
+
+    GPT-OSS's clamped SwiGLU (MoEConfig.swiglu_*): with `limit` > 0 the gate is clamped to at most
+    `limit` and up to ±limit, then gate · sigmoid(alpha · gate) · (up + up_offset); the defaults
+    (0, 1, 0) are plain SwiGLU."""
     if kind == "swiglu":
-        return F.silu(gate) * up
+        if limit == 0.0 and alpha == 1.0 and up_offset == 0.0:
+            return F.silu(gate) * up
+        if limit > 0.0:
+            gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return gate * torch.sigmoid(alpha * gate) * (up + up_offset)
     if kind == "gelu":
         return F.gelu(gate)
     return F.relu(gate)

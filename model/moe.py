@@ -174,15 +174,19 @@ class MoEStats:
 
 
 class MoELayer(nn.Module):
-    """Routed experts plus an optional shared expert, replacing a dense FFN."""
+    """Routed experts plus an optional shared expert (optionally gated per token), replacing a dense FFN."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         moe = cfg.moe
         self.router = Router(cfg.d_model, moe)
-        self.experts = GroupedExperts(moe.num_experts, cfg.d_model, cfg.d_expert_ff, cfg.activation, moe.experts_impl)
+        self.experts = GroupedExperts(moe.num_experts, cfg.d_model, cfg.d_expert_ff, cfg.activation, moe.experts_impl,
+                                      bias=moe.expert_bias,
+                                      swiglu=(moe.swiglu_limit, moe.swiglu_alpha, moe.swiglu_up_offset))
         self.shared = (FeedForward(cfg.d_model, moe.shared_expert_d_ff, cfg.activation, cfg.bias)
                        if moe.shared_expert_d_ff else None)
+        # Qwen2-MoE's gate: each token's shared-expert output scaled by sigmoid(x · w), w (1, D).
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if moe.shared_expert_gate else None
         self.dropout = nn.Dropout(cfg.dropout)
         # Groups padded as the experts' multiply prefers; expert parallelism swaps the dispatcher.
         self.hooks = ParallelHooks(dispatcher=LocalDispatcher(self.experts.group_row_multiple))
@@ -195,14 +199,23 @@ class MoELayer(nn.Module):
         y_RD = self.experts(x_RD, offsets_E)
         y_TD = dispatcher.combine(y_RD, state).to(x_BSD.dtype)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + self._shared(x_TD)
         spread = dispatcher.spread(routing)
         stats = MoEStats(routing.aux_loss, routing.z_loss, routing.counts_E, routing.dropped_fraction,
                          routing.entropy, *(spread or ()))
         return self.dropout(y_TD.view_as(x_BSD)), stats
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared expert's output (T, D), gated per token when the layer has a gate."""
+        shared_TD = self.shared(x_TD)
+        if self.shared_gate is None:
+            return shared_TD
+        return torch.sigmoid(self.shared_gate(x_TD)) * shared_TD
 
     def init_weights(self, std: float, out_std: float) -> None:
         self.router.init_weights(std)
         self.experts.init_weights(std, out_std)
         if self.shared is not None:
             self.shared.init_weights(std, out_std)
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=std)

@@ -22,7 +22,7 @@ def sinusoidal_table(positions_S: torch.Tensor, d_model: int) -> torch.Tensor:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: float = 1.0,
-                  original_len: int = 2048) -> torch.Tensor:
+                  original_len: int = 2048, *, truncate: bool = True) -> torch.Tensor:
     """Rotation frequencies theta^(-2i/Dh), i < Dh/2, with optional context-extension scaling.
 
     "linear" (position interpolation, Chen et al. 2023) divides every frequency by `factor`;
@@ -30,7 +30,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: fl
     "yarn" (Peng et al. 2023, "NTK-by-parts") keeps the frequencies that turn more than
     beta_fast = 32 times over the `original_len` positions trained on, divides by `factor` those
     that turn less than beta_slow = 1 time, and ramps linearly in between (pair index, rounded
-    outward as transformers' `truncate`). Its attention temperature is `rope_attention_factor`.
+    outward as transformers' `truncate`, or not with truncate=False, as GPT-OSS). Its attention
+    temperature is `rope_attention_factor`.
     """
     if scaling == "ntk":
         theta = theta * factor ** (head_dim / (head_dim - 2))
@@ -38,18 +39,20 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: str = "none", factor: fl
     if scaling == "linear":
         inv_freq = inv_freq / factor
     elif scaling == "yarn":
-        inv_freq = _yarn_blend(inv_freq, head_dim, theta, factor, original_len)
+        inv_freq = _yarn_blend(inv_freq, head_dim, theta, factor, original_len, truncate=truncate)
     return inv_freq.to(torch.float32)
 
 
 def _yarn_blend(inv_freq_F: torch.Tensor, head_dim: int, theta: float, factor: float, original_len: int,
-                beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
+                beta_fast: float = 32.0, beta_slow: float = 1.0, *, truncate: bool = True) -> torch.Tensor:
     def pair_turning(rotations: float) -> float:
         # The pair index i whose wavelength 2π·theta^(2i/Dh) fits `rotations` times in original_len.
         return head_dim * math.log(original_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(pair_turning(beta_fast)), 0)
-    high = min(math.ceil(pair_turning(beta_slow)), head_dim - 1)
+    low, high = pair_turning(beta_fast), pair_turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # a one-pair ramp would divide by zero
     interpolated_F = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)

@@ -3,7 +3,10 @@
 Legend: T tokens, D model dim, E experts, K top-k choices (K ≤ E), A = K·T routed assignments,
 G expert groups.
 
-Scores are softmax(logits) (Switch, Mixtral) or sigmoid(logits) (DeepSeek-V3). Experts are chosen
+Scores are softmax(logits) (Switch, Mixtral) or sigmoid(logits) (DeepSeek-V3); the logits may carry a
+learned bias (`router_bias`, GPT-OSS, whose top-k of the logits softmaxed over the kept ones is
+softmax + renormalize here: both keep the same experts, and exp(l_k) / Σ_kept exp(l) is the same
+ratio of softmax scores). Experts are chosen
 by score + expert_bias_E (aux-loss-free balancing; the bias never reaches the combine weights or
 the gradient), optionally only inside each token's best `topk_groups` of `num_groups` groups.
 
@@ -116,11 +119,13 @@ def global_balancing_loss(probs_TE: torch.Tensor, load_E: torch.Tensor,
     return probs_TE.shape[1] * torch.sum(f_E * _mean_probs(probs_TE, sequence_sum)[0])
 
 
-def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
+def group_limited(choice_TE: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                  score_top: int = 0) -> torch.Tensor:
     """`choice_TE` with every expert outside each token's `topk_groups` best groups set to -inf; a
-    group scores the sum of its best top_k // topk_groups experts (megatron-core's rule)."""
+    group scores the sum of its best `score_top` experts, 0: top_k // topk_groups (megatron-core's rule)."""
     T, E = choice_TE.shape
-    group_TG = choice_TE.view(T, num_groups, E // num_groups).topk(top_k // topk_groups, dim=-1).values.sum(-1)
+    score_top = score_top or top_k // topk_groups
+    group_TG = choice_TE.view(T, num_groups, E // num_groups).topk(score_top, dim=-1).values.sum(-1)
     kept_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(
         1, group_TG.topk(topk_groups, dim=-1, sorted=False).indices, True)
     return choice_TE.masked_fill(~kept_TG.repeat_interleave(E // num_groups, dim=1), float("-inf"))
@@ -181,7 +186,7 @@ class Router(nn.Module):
     def __init__(self, d_model: int, cfg: MoEConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(d_model, cfg.num_experts, bias=False)
+        self.gate = nn.Linear(d_model, cfg.num_experts, bias=cfg.router_bias)
         self.routed_E: list[torch.Tensor] = []
         if cfg.bias_update_rate > 0:
             self.register_buffer("expert_bias_E", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -248,13 +253,14 @@ class Router(nn.Module):
         # Routing decisions are precision-sensitive: logits and scores in fp32 (as in Switch) or
         # wider, so a float64 layer stays float64 end to end (gradcheck).
         dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype))
+        bias_E = self.gate.bias.to(dtype) if self.gate.bias is not None else None
+        logits_TE = nn.functional.linear(x_TD.to(dtype), self.gate.weight.to(dtype), bias_E)
         scores_TE = logits_TE.softmax(dim=-1) if cfg.score == "softmax" else logits_TE.sigmoid()
         choice_TE = scores_TE.detach()
         if self.expert_bias_E is not None:
             choice_TE = choice_TE + self.expert_bias_E.to(dtype)
         if cfg.num_groups:
-            choice_TE = group_limited(choice_TE, cfg.top_k, cfg.num_groups, cfg.topk_groups)
+            choice_TE = group_limited(choice_TE, cfg.top_k, cfg.num_groups, cfg.topk_groups, cfg.group_score_top)
         return logits_TE, scores_TE, torch.topk(choice_TE, cfg.top_k, dim=-1).indices
 
     def _balance_loss(self, probs_TE: torch.Tensor, counts_E: torch.Tensor, load_E: torch.Tensor | None,
@@ -302,6 +308,8 @@ class Router(nn.Module):
 
     def init_weights(self, std: float) -> None:
         nn.init.normal_(self.gate.weight, std=std)
+        if self.gate.bias is not None:
+            nn.init.zeros_(self.gate.bias)
         if self.expert_bias_E is not None:
             self.expert_bias_E.zero_()
             self.routed_E.clear()

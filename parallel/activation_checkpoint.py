@@ -76,7 +76,7 @@ def apply_activation_checkpointing(model: Decoder | nn.Module, mode: str = "full
         raise ValueError(f"activation checkpointing mode {mode!r}: must be one of {', '.join(MODES)}")
     if mode == "none":
         return
-    for block in model.layers.values():
+    for block in model.blocks():
         if mode == "full":
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
             continue

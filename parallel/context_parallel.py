@@ -13,15 +13,17 @@ per-token part of the model (embeddings, norms, FFN, MoE, head, cross entropy) t
 local positions unchanged, and the Decoder is told their global positions (`hooks.token_positions`) for
 RoPE, absolute position embeddings, the causal mask and ALiBi.
 
-Exchange (`gather_kv`, every attention layer). Each rank all-gathers its K and V, stacked into one
-tensor, over the cp group with a differentiable collective; its backward reduce-scatters (sums)
-the gradients of the gathered keys and values back to the rank that owns each position. The
-pieces arrive rank-major (rank 0's two chunks, then rank 1's, …) and are put back in global order,
-so the keys are positions 0..S−1 while the queries stay local: Attention builds the mask and bias
-from the queries' global positions (its explicit-bias path; the fused causal ones need aligned
-squares). Every rank holds all S keys and values of its sequences during one layer's attention
-(2·B·G·S·Dh elements; cheap with GQA, G ≪ heads) and nothing overlaps the exchange: a ring
-(send K/V blocks round while computing) would trade that memory and latency for 2·(cp − 1) steps.
+Exchange (`gather_kv`, every attention layer). Each rank all-gathers its K and V, joined into one
+tensor along the head dim (so they may differ in width), over the cp group with a differentiable
+collective; its backward reduce-scatters (sums) the gradients of the gathered keys and values
+back to the rank that owns each position. The pieces arrive rank-major (rank 0's two chunks, then
+rank 1's, …) and are put back in global order, so the keys are positions 0..S−1 while the
+queries stay local: Attention builds the mask and bias from the queries' global positions (its
+explicit-bias path; the fused causal ones need aligned squares). Every rank holds all S keys and
+values of its sequences during one layer's attention (2·B·G·S·Dh elements; cheap with GQA,
+G ≪ heads; MLA exchanges its latent and rope key instead, B·S·(R + Dr)) and nothing overlaps the
+exchange: a ring (send K/V blocks round while computing) would trade that memory and latency for
+2·(cp − 1) steps.
 
 MoE. Routing, capacity (taken on the local tokens, as Megatron does) and the expert exchange see
 this rank's tokens. The balance losses need whole sequences: the routers' statistics are summed
@@ -60,14 +62,15 @@ def split_sequence(x_BS: torch.Tensor, cp: int, cp_rank: int) -> torch.Tensor:
 
 
 def global_order(gathered_P2BGSDh: torch.Tensor, cp: int) -> torch.Tensor:
-    """The all-gather's output, (cp·2, B, G, Sl, Dh) rank-major, → (2, B, G, S, Dh) in position order."""
-    _, B, G, Sl, Dh = gathered_P2BGSDh.shape
-    C = Sl // 2
-    kv_P2BG2CDh = gathered_P2BGSDh.view(cp, 2, B, G, 2, C, Dh)
+    """The all-gather's output, (cp·2, B, G, Sl, Dh) rank-major, → (2, B, G, S, Dh) in position order
+    (or any number of stacked tensors in place of the 2)."""
+    PN, B, G, Sl, Dh = gathered_P2BGSDh.shape
+    N, C = PN // cp, Sl // 2
+    kv_P2BG2CDh = gathered_P2BGSDh.view(cp, N, B, G, 2, C, Dh)
     # Rank p sent global chunks p (its first half) and 2·cp − 1 − p (its second): the first halves
     # in rank order, then the second halves in reverse rank order, are chunks 0..2·cp − 1.
     chunks_N2BGCDh = torch.cat([kv_P2BG2CDh[:, :, :, :, 0], kv_P2BG2CDh.flip(0)[:, :, :, :, 1]])
-    return chunks_N2BGCDh.permute(1, 2, 3, 0, 4, 5).reshape(2, B, G, 2 * cp * C, Dh)
+    return chunks_N2BGCDh.permute(1, 2, 3, 0, 4, 5).reshape(N, B, G, 2 * cp * C, Dh)
 
 
 class ContextShard:
@@ -83,10 +86,12 @@ class ContextShard:
                           torch.arange((n - 1 - r) * C, (n - r) * C, device=device)])
 
     def gather_kv(self, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local keys and values (Sl positions) → those of all S positions, in global order."""
-        kv_2BGSDh = torch.stack([k_BGSDh, v_BGSDh]).contiguous()
-        kv_2BGSDh = global_order(all_gather_single_autograd(kv_2BGSDh, 0, self.group), self.cp)
-        return kv_2BGSDh[0], kv_2BGSDh[1]
+        """Local keys and values (Sl positions) → those of all S positions, in global order. They
+        travel as one tensor, joined along the last dim, so k and v may differ in width (MLA
+        exchanges its latent, R wide, and its rope key, Dr wide: model/mla.py)."""
+        kv_1BGSX = torch.cat([k_BGSDh, v_BGSDh], dim=-1)[None].contiguous()
+        kv_BGSX = global_order(all_gather_single_autograd(kv_1BGSX, 0, self.group), self.cp)[0]
+        return kv_BGSX.split([k_BGSDh.shape[-1], v_BGSDh.shape[-1]], dim=-1)
 
     def sum_over_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """Σ over the cp ranks of `t` (same shape on each), differentiable: the backward of the

@@ -52,7 +52,7 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
             return fully_shard(module, mesh=on)
         return replicate_fn()(module, mesh=on)
 
-    for block in model.layers.values():
+    for block in model.blocks():  # the MTP modules' blocks too: their experts reduce over edp
         if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
             experts = wrap(block.ffn.experts, edp_mesh)
             experts.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
@@ -124,7 +124,8 @@ def _distinct_shards(name: str, grad: torch.Tensor, expert_sharded: set[str], ep
 
 @torch.no_grad()
 def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: float, mesh: ParallelMesh,
-                    expert_sharded: set[str], *, expert_tp_split: Collection[str] = ()) -> torch.Tensor:
+                    expert_sharded: set[str], *, expert_tp_split: Collection[str] = (),
+                    stage_copies: Collection[str] = ()) -> torch.Tensor:
     """Clip the gradients of the whole model (every stage, shard and expert) to `max_norm` in
     global L2 norm; return that norm (before clipping), the same on every rank.
 
@@ -132,7 +133,8 @@ def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: 
     ranks in its stage holding that same piece), and one all_reduce over the world adds it up:
     replicated copies count once, shards count once each, pipeline stages are disjoint.
     expert_sharded: routed-expert weights split by rows over ep; expert_tp_split: those split by F
-    over tp (plain tensors, so neither split shows in a placement).
+    over tp (plain tensors, so neither split shows in a placement). stage_copies: weights that two
+    pipeline stages hold equal copies of (the embedding under multi-token prediction), counted once.
     """
     cfg = mesh.cfg
     ranks_per_stage = cfg.dp * cfg.cp * cfg.tp
@@ -147,6 +149,7 @@ def clip_grad_norm_(named_params: Iterable[tuple[str, nn.Parameter]], max_norm: 
             p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in p.grad.placements])
         local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
         copies = ranks_per_stage / _distinct_shards(name, p.grad, expert_sharded, cfg.ep, expert_tp_split, cfg.tp)
+        copies *= 2 if name in stage_copies else 1
         # The norm in the gradient's own precision (a float64 copy of every gradient cost as much
         # as the all-reduce on CPU), squared and summed over pieces in float64.
         norm = torch.linalg.vector_norm(local, dtype=torch.promote_types(local.dtype, torch.float32))

@@ -22,7 +22,8 @@ from torch import nn
 from moetron.model.router import Router
 from moetron.parallel.mesh import ParallelMesh
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# A multi-token-prediction block is named by its layer index too: mtp.{n_layers + k − 1}.block.
+_LAYER = re.compile(r"(?:^|\.)(?:layers|mtp)\.(\d+)\.")
 
 
 def biased_routers(modules: Iterable[nn.Module]) -> dict[int, Router]:

@@ -36,7 +36,8 @@ from moetron.model.moe import DispatchState, LocalDispatcher, MoELayer
 from moetron.model.router import Routing
 from moetron.parallel.mesh import ParallelMesh
 
-EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD")
+# Every routed-expert parameter, each with the experts on dim 0 (the biases too, when there are some).
+EXPERT_WEIGHTS = ("w_gate_EDF", "w_up_EDF", "w_down_EFD", "b_gate_EF", "b_up_EF", "b_down_ED")
 
 
 @dataclass

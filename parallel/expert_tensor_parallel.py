@@ -8,6 +8,10 @@ so each tp rank repeats the same expert work. With etp = tp they are split like 
 
   w_gate_EDF, w_up_EDF   columns, dim 2 (F): tp rank k holds F range [k·F/tp, (k+1)·F/tp)
   w_down_EFD             rows, dim 1 (F): the same F range
+  b_gate_EF, b_up_EF     (expert biases, GPT-OSS) dim 1 (F): the same F range
+  b_down_ED              replicated: every tp rank adds it to its partial sum, so the reduction
+                         takes tp − 1 copies back off (their values detached: the gradient reaches
+                         the bias through the one kept, whole on every tp rank)
   router, shared expert  replicated (as under plain TP)
 
 on top of expert parallelism's split of dim 0 (E) over "ep", so a rank holds (El, D, F/tp) and
@@ -41,13 +45,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetron.model.experts import GroupedExperts
+from moetron.model.experts import GroupedExperts, expert_rows, row_experts
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.expert_parallel import moe_layers
 from moetron.parallel.mesh import ParallelMesh
 
 # The F dim of each routed-expert weight: the one split over tp.
-F_DIMS = {"w_gate_EDF": 2, "w_up_EDF": 2, "w_down_EFD": 1}
+F_DIMS = {"w_gate_EDF": 2, "w_up_EDF": 2, "w_down_EFD": 1, "b_gate_EF": 1, "b_up_EF": 1}
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -98,13 +102,18 @@ def split_expert_columns(experts: GroupedExperts, tp: int, tp_rank: int) -> dict
 
 def _register_tp_regions(experts: nn.Module, group: dist.ProcessGroup) -> None:
     """Enter the experts through a copy-to-tp region and leave them through a reduce-from-tp one."""
+    tp = dist.get_world_size(group)
 
     def enter(module, args):
         x_AD, *rest = args
         return (_CopyToTensorParallel.apply(x_AD, group), *rest)
 
     def leave(module, args, y_AD):
-        return _ReduceFromTensorParallel.apply(y_AD, group)
+        y_AD = _ReduceFromTensorParallel.apply(y_AD, group)
+        if getattr(module, "b_down_ED", None) is None:
+            return y_AD
+        b_AD = expert_rows(module.b_down_ED.detach().to(y_AD.dtype), row_experts(args[1], y_AD.shape[0]))
+        return y_AD - (tp - 1) * b_AD
 
     experts.register_forward_pre_hook(enter)
     experts.register_forward_hook(leave)

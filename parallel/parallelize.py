@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from moetron.model.mtp import mtp_cross_entropy
 from moetron.model.packing import Packing
 from moetron.model.transformer import Decoder
 from moetron.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -48,6 +49,7 @@ from moetron.parallel.pipeline import (
     merge_stages,
     split_stage,
     stages_of_rank,
+    sync_embedding_copies,
 )
 from moetron.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -56,7 +58,7 @@ CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def apply_compile(model: Decoder, *, tensor_parallel: bool = False) -> None:
     """Compile block by block: small graphs, one compilation reused by identical blocks."""
-    for block in model.layers.values():
+    for block in model.blocks():
         if tensor_parallel:
             # torch 2.13: between compiled blocks whose weights are DTensors, a gradient reaches
             # DTensor's redistribute backward as a plain tensor ("'Tensor' object has no attribute
@@ -79,11 +81,13 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepLosses:
-    """This rank's view of one step: mean CE and aux over its micro-batches, and router stats."""
+    """This rank's view of one step: mean CE and aux over its micro-batches, and router stats;
+    `mtp`: the multi-token-prediction CE (1/D) Σ_k CE_k (model/mtp.py), 0 without it."""
 
     ce: torch.Tensor
     aux: torch.Tensor
     moe: dict
+    mtp: torch.Tensor | float = 0.0
 
 
 @dataclass
@@ -103,6 +107,8 @@ class ParallelModel:
     # Windows carry their own targets, (B, 2, S) inputs and targets (a masked-LM objective),
     # instead of next-token windows (B, S + 1).
     targets_given: bool = False
+    # λ of multi-token prediction (model.mtp_loss_weight; 0 without MTP): the loss adds λ (1/D) Σ_k CE_k.
+    mtp_weight: float = 0.0
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -182,7 +188,7 @@ class ParallelModel:
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BS1, grad_accum, autocast)
         model = self.module
-        ce_sum = aux_sum = 0.0
+        ce_sum = aux_sum = mtp_sum = 0.0
         moe: dict = {}
         for i, micro_BS1 in enumerate(batch_BS1.chunk(grad_accum)):
             set_gradient_sync(self.modules, i == grad_accum - 1)
@@ -191,9 +197,11 @@ class ParallelModel:
                     inputs_BS, targets_BS = self.local_window(micro_BS1)
                     out = model(inputs_BS, *self.packed_args(micro_BS1))
                     ce = _plain(self.cross_entropy(out.logits_BSV, targets_BS))
-                ((ce + out.aux_loss) / grad_accum).backward()
+                    mtp = _plain(mtp_cross_entropy(out.mtp_logits, targets_BS, self.cross_entropy))
+                ((ce + out.aux_loss + self.mtp_weight * mtp) / grad_accum).backward()
             ce_sum, aux_sum, moe = ce_sum + ce.detach(), aux_sum + out.aux_loss.detach(), out.moe
-        return StepLosses(ce_sum / grad_accum, aux_sum / grad_accum, moe)
+            mtp_sum = mtp_sum + mtp.detach()
+        return StepLosses(ce_sum / grad_accum, aux_sum / grad_accum, moe, mtp_sum / grad_accum)
 
     def _pipeline_forward_backward(self, batch_BS1, grad_accum, autocast, *, train: bool = True) -> StepLosses:
         pipe = self.pipeline
@@ -203,10 +211,13 @@ class ParallelModel:
             with self.loss_context(), autocast():
                 pipe.step(*self.local_window(micro_BS1), 1.0 / n, train=train, extra=self.packed_args(micro_BS1))
         rec = pipe.record
+        if train and pipe.embedding_group is not None:
+            sync_embedding_copies(pipe.modules, pipe.embedding_group)
         zero = torch.zeros((), device=batch_BS1.device)
         ce = torch.stack([_plain(c).float() for c in rec.ce]).sum() / n if rec.ce else zero
         aux = torch.stack([a.float() for a in rec.aux]).sum() / n if rec.aux else zero
-        return StepLosses(ce, aux, dict(rec.moe))
+        mtp = torch.stack([_plain(c).float() for c in rec.mtp]).sum() / n if rec.mtp else zero
+        return StepLosses(ce, aux, dict(rec.moe), mtp)
 
     @torch.no_grad()
     def evaluate(self, batch_BS1: torch.Tensor, autocast) -> torch.Tensor:
@@ -228,8 +239,9 @@ class ParallelModel:
                 m.train()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        copies = {"embed.weight"} if self.pipeline is not None and self.pipeline.embedding_group is not None else ()
         return clip_grad_norm_(self.named_parameters(), max_norm, self.mesh, self.expert_sharded,
-                               expert_tp_split=set(self.expert_tp_split))
+                               expert_tp_split=set(self.expert_tp_split), stage_copies=copies)
 
     def expert_shards(self) -> ExpertShards | None:
         """How the routed experts held here are pieces of the full weights, for checkpoints
@@ -239,24 +251,27 @@ class ParallelModel:
             return None
         return ExpertShards(names, self.mesh.sub("ep"), tp_dims=dict(self.expert_tp_split), tp_mesh=self.mesh.sub("tp"))
 
-    def global_losses(self, ce: torch.Tensor, aux: torch.Tensor) -> tuple[float, float]:
+    def global_losses(self, ce: torch.Tensor, aux: torch.Tensor, *held_by_last: torch.Tensor) -> tuple[float, ...]:
         """Mean over dp ranks of CE (held by the last stage) and of the aux loss summed over
-        stages — the numbers one process would report for the same global batch."""
+        stages — the numbers one process would report for the same global batch. `held_by_last`:
+        more losses of the last stage (the MTP CE), reduced like CE and returned after aux."""
         holds_ce = self.pipeline is None or self.pipeline.has_last
         counts = self.mesh.rank("tp") == 0  # tp ranks hold copies of the same values
         # cp ranks hold equal shares of each sequence: the mean of their means is the sequence's.
-        t = torch.stack([ce.detach().float() * (holds_ce and counts), aux.detach().float() * counts])
+        last = [torch.as_tensor(x, device=ce.device).detach().float() * (holds_ce and counts)
+                for x in (ce, *held_by_last)]
+        t = torch.stack([last[0], aux.detach().float() * counts, *last[1:]])
         t = t / (self.cfg.dp * self.cfg.cp)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(t)
         # NOTE: host-device sync to read the losses.
-        ce_v, aux_v = t.tolist()
-        return ce_v, aux_v
+        return tuple(t.tolist())
 
 
 def _reset(record: StepRecord) -> None:
     record.ce.clear()
     record.aux.clear()
+    record.mtp.clear()
     record.moe.clear()
 
 
@@ -324,6 +339,11 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
 
     materialize_and_init(full_meta, list(parts.values()), seed=seed, device=device, ep_slice=expert_slice)
     pipeline = build_pipeline(parts, record, mesh, cfg, device, cross_entropy, microbatch_BS,
-                              packed=packing is not None) if cfg.pp > 1 else None
+                              packed=packing is not None, mtp_weight=_mtp_weight(meta_model)) if cfg.pp > 1 else None
     return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
-                         expert_tp_split=expert_tp_split, packing=packing, targets_given=targets_given)
+                         expert_tp_split=expert_tp_split, packing=packing, targets_given=targets_given,
+                         mtp_weight=_mtp_weight(meta_model))
+
+
+def _mtp_weight(model: Decoder) -> float:
+    return model.cfg.mtp_loss_weight if model.cfg.mtp_depth else 0.0

@@ -22,6 +22,16 @@ hangs off the stage's own forward), so no schedule can drop it.
 Packed documents: the first stage also takes the documents' starts and positions (B, S) of its
 micro-batch (model/packing.py), and every stage but the last passes them on beside its hidden
 states, so each stage masks the micro-batch it is running (no gradient flows through them).
+
+Multi-token prediction (model/mtp.py) runs on the last stage, which needs the token ids and the
+embedding: the ids travel as one more stage input after the documents' (stage 0 gets them twice,
+as its input and as that one), and the last stage holds a copy of the embedding (as Megatron-LM
+does for its MTP stage and for tied embeddings). Both copies start equal (materialized by name)
+and stay equal: after each step's backward their gradients are summed over the pair of ranks of
+the first and last stage (`sync_embedding_copies`), so both apply the same update; the gradient
+norm counts the pair once. Training only: the last stage returns its logits and then each depth's,
+stacked along the batch ((1 + D)·b rows), and the loss splits them, adding λ·(1/D) Σ_k CE_k; in
+evaluation it returns the main logits alone.
 """
 
 from __future__ import annotations
@@ -31,7 +41,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -40,6 +52,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from moetron.model.mtp import mtp_cross_entropy
 from moetron.model.transformer import Decoder, ModelOutput
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import ParallelMesh
@@ -75,6 +88,7 @@ class StepRecord:
     loss_scale: float = 1.0
     ce: list[torch.Tensor] = field(default_factory=list)  # last stage: unscaled CE per micro-batch
     aux: list[torch.Tensor] = field(default_factory=list)  # each stage × micro-batch: summed aux
+    mtp: list[torch.Tensor] = field(default_factory=list)  # last stage: (1/D) Σ_k CE_k per micro-batch
     moe: dict = field(default_factory=dict)  # layer → MoEStats of the latest micro-batch
 
 
@@ -88,10 +102,13 @@ def split_stage(meta_model: Decoder, stage: int, num_stages: int) -> Decoder:
     per = n_layers // num_stages
     part = copy.deepcopy(meta_model)
     part.layers = nn.ModuleDict({str(i): part.layers[str(i)] for i in range(stage * per, (stage + 1) * per)})
+    last = stage == num_stages - 1
     if stage != 0:
-        part.embed = part.pos_embed = None
-    if stage != num_stages - 1:
-        part.norm = part.head = None
+        part.pos_embed = None
+        if not (last and part.mtp is not None):  # the MTP stage keeps a copy of the embedding
+            part.embed = None
+    if not last:
+        part.norm = part.head = part.mtp = None
     return part
 
 
@@ -113,20 +130,56 @@ def merge_stages(stages: list[Decoder]) -> nn.Module:
 def attach_stage_output(module: Decoder, record: StepRecord) -> None:
     """Make a stage return the tensor the schedule sends on (hidden states or logits) with the
     stage's aux loss attached for backward. Registered before data parallelism wraps the stage,
-    so FSDP's own forward hooks see a plain tensor."""
-    module.register_forward_hook(_stage_output_hook(record))
+    so FSDP's own forward hooks see a plain tensor. With multi-token prediction every stage's
+    last input is the token ids, handed to the Decoder as `mtp_ids_BS` and passed on."""
+    if module.cfg.mtp_depth:
+        module.register_forward_pre_hook(_ids_to_keyword, with_kwargs=True)
+    module.register_forward_hook(_stage_output_hook(record), with_kwargs=True)
+
+
+def _ids_to_keyword(module, args: tuple, kwargs: dict):
+    return args[:-1], {**kwargs, "mtp_ids_BS": args[-1]}
 
 
 def _stage_output_hook(record: StepRecord):
 
-    def hook(module, args, output: ModelOutput):
+    def hook(module, args, kwargs, output: ModelOutput):
         record.aux.append(output.aux_loss.detach())
         record.moe.update(output.moe)
-        out = _AddAuxLossGrad.apply(output.logits_BSV, output.aux_loss, record.loss_scale)
-        # The packed documents' tensors (args after the input) go on to the next stage.
-        return out if module.head is not None or len(args) == 1 else (out, *args[1:])
+        logits = torch.cat([output.logits_BSV, *output.mtp_logits]) if output.mtp_logits else output.logits_BSV
+        out = _AddAuxLossGrad.apply(logits, output.aux_loss, record.loss_scale)
+        if module.head is not None:
+            return out
+        # The packed documents' tensors (args after the input) and the token ids go on to the next stage.
+        ids = (kwargs["mtp_ids_BS"].contiguous(),) if "mtp_ids_BS" in kwargs else ()  # sent as they are
+        return (out, *args[1:], *ids) if len(args) > 1 or ids else out
 
     return hook
+
+
+def embedding_pair_group(mesh: ParallelMesh, cfg: ParallelConfig):
+    """The process group of this rank's pipeline's first and last stage ranks (pp ranks 0 and
+    pp − 1), which hold the embedding and its copy under multi-token prediction. A collective:
+    every rank creates every pipeline's pair, in the same order."""
+    if cfg.pp == 2:
+        return mesh.group("pp")
+    mine = None
+    for ranks in mesh.mesh.mesh.movedim(0, -1).reshape(-1, cfg.pp).tolist():
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in (ranks[0], ranks[-1]):
+            mine = group
+    return mine
+
+
+@torch.no_grad()
+def sync_embedding_copies(modules: list[Decoder], group) -> None:
+    """Sum the embedding's gradient over the first and the last stage (see the module docstring);
+    both then hold d(loss)/d(embedding) and step alike. A rank between them does nothing."""
+    # pp >= 2: rank 0 holds stage 0's embedding, rank pp − 1 the last stage's copy, no rank both.
+    for module in modules:
+        grad = module.embed.weight.grad if module.embed is not None else None
+        if grad is not None:
+            dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
 
 
 @dataclass
@@ -140,6 +193,8 @@ class Pipeline:
     record: StepRecord
     microbatch_BS: tuple[int, int]  # sequences and tokens (S/cp) of one micro-batch on this rank
     microbatches: int  # micro-batches per step, as the schedule was built for
+    mtp_ids: bool = False  # multi-token prediction: the token ids travel to the last stage
+    embedding_group: object = None  # the first and last stage's ranks (multi-token prediction)
 
     @property
     def has_first(self) -> bool:
@@ -164,7 +219,8 @@ class Pipeline:
             raise ValueError(f"pipeline step: got a batch of shape {tuple(inputs_BS.shape)}, but the stages "
                              f"were built for {want} (micro-batches × sequences, tokens on this rank)")
         self.record.loss_scale = loss_scale
-        args = (inputs_BS, *extra) if self.has_first else ()
+        ids = (inputs_BS,) if self.mtp_ids else ()  # the last stage's multi-token prediction reads them
+        args = (inputs_BS, *extra, *ids) if self.has_first else ()
         kwargs = {"target": targets_BS, "losses": []} if self.has_last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
 
@@ -178,6 +234,8 @@ def stage_io(module: Decoder, stage: int, num_stages: int, microbatch_BS: tuple[
     tp under sequence parallelism. Out: the same hidden states, or on the last stage its local
     logits (b, S/cp, V/tp), which are never sent (torch only counts them). `packed`: every input,
     and every output but the last stage's, carries the documents' starts and positions (b, S).
+    Multi-token prediction: every input and every output but the last stage's ends with the
+    token ids (b, S), and the last stage's logits have each depth's after them ((1 + D)·b rows).
     """
     b, s_local = microbatch_BS
     s_hidden = s_local // (cfg.tp if cfg.sequence_parallel else 1)
@@ -189,19 +247,22 @@ def stage_io(module: Decoder, stage: int, num_stages: int, microbatch_BS: tuple[
 
     inputs = torch.empty(b, s_local, dtype=torch.long, device="meta") if stage == 0 else hidden()
     last = stage == num_stages - 1
-    outputs = torch.empty(b, s_local, v, dtype=dtype, device="meta", requires_grad=True) if last else hidden()
+    rows = b * (1 + module.cfg.mtp_depth)
+    outputs = torch.empty(rows, s_local, v, dtype=dtype, device="meta", requires_grad=True) if last else hidden()
     docs = tuple(torch.empty(b, s_local * cfg.cp, dtype=torch.long, device="meta") for _ in range(2)) if packed else ()
+    docs += (torch.empty(b, s_local, dtype=torch.long, device="meta"),) if module.cfg.mtp_depth else ()
     return (inputs, *docs), (outputs, *(() if last else docs))
 
 
 def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: ParallelMesh, cfg: ParallelConfig,
                    device: torch.device, cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   microbatch_BS: tuple[int, int], packed: bool = False) -> Pipeline:
+                   microbatch_BS: tuple[int, int], packed: bool = False, mtp_weight: float = 0.0) -> Pipeline:
     """Wrap materialized stage modules into PipelineStages and build the configured schedule.
 
     cross_entropy(logits_BSV, targets_BS) → mean next-token loss of one micro-batch.
     microbatch_BS: sequences and tokens (before context parallelism) of one micro-batch; every
     stage is told its input and output shapes, so no run is spent inferring them.
+    mtp_weight: λ of multi-token prediction, when the model has it (see the module docstring).
     """
     num_stages = cfg.pp * cfg.vpp
     local_BS = (microbatch_BS[0], microbatch_BS[1] // cfg.cp)
@@ -212,14 +273,21 @@ def build_pipeline(stage_modules: dict[int, Decoder], record: StepRecord, mesh: 
                                     group=mesh.group("pp")))
 
     def loss_fn(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        # Training with multi-token prediction: the main logits' b rows, then each depth's.
+        logits_BSV, *ahead = logits_BSV.chunk(logits_BSV.shape[0] // targets_BS.shape[0])
         ce = cross_entropy(logits_BSV, targets_BS)
         record.ce.append(ce.detach())
-        return ce * record.loss_scale
+        if not ahead:
+            return ce * record.loss_scale
+        mtp = mtp_cross_entropy(ahead, targets_BS, cross_entropy)
+        record.mtp.append(mtp.detach())
+        return (ce + mtp_weight * mtp) * record.loss_scale
 
     cls = SCHEDULES[cfg.schedule]
     # scale_grads=False: the loss scale (1 / (micro-batches × accumulation)) is applied in
     # loss_fn and to the aux gradient, so both are scaled once and identically.
     first = stages if cfg.schedule in MULTI_STAGE else stages[0]
     schedule = cls(first, n_microbatches=cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
+    mtp = next(iter(stage_modules.values())).cfg.mtp_depth > 0
     return Pipeline(list(stage_modules.values()), list(stage_modules), num_stages, schedule, record, local_BS,
-                    cfg.microbatches)
+                    cfg.microbatches, mtp_ids=mtp, embedding_group=embedding_pair_group(mesh, cfg) if mtp else None)

@@ -107,6 +107,7 @@ def _print_tables(cfg, acct: dict, rows) -> None:
     console = Console(width=None if sys.stdout.isatty() else 1000)
     m, lay = cfg.model, acct["layout"]
     title = (f"{cfg.run_name}: L={m.n_layers} D={m.d_model} H={m.n_heads}/{m.kv_heads} "
+             + (f"MLA R={m.mla.kv_lora_rank} Rq={m.mla.q_lora_rank} " if m.mla.enabled else "")
              + (f"E={m.moe.num_experts} top-{m.moe.top_k}" if m.moe.enabled else "dense")
              + f"  · layout pp={lay['pp']} tp={lay['tp']} cp={lay['cp']} ep={lay['ep']} etp={lay['etp']} "
              + f"dp={lay['dp']} ({lay['dp_mode']}" + (f", shard {lay['dp_shard']}" if lay['dp_mode'] == "hsdp" else "") + ")")

@@ -15,7 +15,8 @@ the ops DTensor runs on fake tensors to learn output shapes do no work and are n
 
 Attribution: module hooks keep a stack of the component being run forward; when a component's
 module returns, the autograd nodes it created are tagged with its name, so the backward ops
-(which run outside any module) are charged to the component whose forward created them.
+(which run outside any module) are charged to the component whose forward created them. Inside
+a multi-token-prediction module everything (its block, and the shared head it calls) is "mtp".
 """
 
 from __future__ import annotations
@@ -35,21 +36,24 @@ from torch.utils.flop_counter import flop_registry
 from moetron.launcher.perf.flops import ATTENTION_COMPONENTS, COMPONENTS
 from moetron.model.attention import Attention
 from moetron.model.layers import FeedForward
+from moetron.model.mla import MLAttention
 from moetron.model.moe import MoELayer
+from moetron.model.mtp import MTPModule, mtp_cross_entropy
 from moetron.model.transformer import Block
 
 _TAG = "moetron_component"
 OTHER = "other"
 
 
-def _attention_fwd(q_BHSDh, k_BGLDh, *_args, **_kwargs) -> int:
-    """QKᵀ and PV over every (query, key) pair of every query head."""
+def _attention_fwd(q_BHSDh, k_BGLDh, v_BGLDv=None, *_args, **_kwargs) -> int:
+    """QKᵀ and PV over every (query, key) pair of every query head (v may be narrower: MLA)."""
     B, H, S, Dh = q_BHSDh.shape
-    return 4 * B * H * S * k_BGLDh.shape[-2] * Dh
+    Dv = Dh if not isinstance(v_BGLDv, torch.Tensor) else v_BGLDv.shape[-1]
+    return 2 * B * H * S * k_BGLDh.shape[-2] * (Dh + Dv)
 
 
-def _attention_bwd(_grad, q_BHSDh, k_BGLDh, *_args, **_kwargs) -> int:
-    return 2 * _attention_fwd(q_BHSDh, k_BGLDh)
+def _attention_bwd(_grad, q_BHSDh, k_BGLDh, v_BGLDv=None, *_args, **_kwargs) -> int:
+    return 2 * _attention_fwd(q_BHSDh, k_BGLDh, v_BGLDv)
 
 
 def _grouped_mm(x_TK, w_EKN, offsets_E, *_args, **_kwargs) -> int:
@@ -85,7 +89,7 @@ def flop_formulas() -> dict[str, Callable[..., int]]:
     formulas["moetron.grouped_mm"] = _grouped_mm
     formulas["moetron.grouped_mm_wgrad"] = _grouped_mm_wgrad
     formulas["moetron.flash_attention_fwd"] = _attention_fwd
-    formulas["moetron.flash_attention_bwd"] = lambda do, q, k, *rest: _attention_bwd(do, q, k)
+    formulas["moetron.flash_attention_bwd"] = lambda do, q, k, v, *rest: _attention_bwd(do, q, k, v)
     return formulas
 
 
@@ -94,8 +98,11 @@ def component_modules(model: nn.Module) -> list[tuple[nn.Module, str]]:
     layer so that a component's tag never overwrites a nested one's."""
     out: list[tuple[nn.Module, str]] = []
     for module in model.modules():
-        if isinstance(module, Attention):
-            out += [(getattr(module, n), "attention_projections") for n in ("wq", "wk", "wv", "wo")]
+        if isinstance(module, MTPModule):
+            out.append((module, "mtp"))
+        elif isinstance(module, (Attention, MLAttention)):
+            names = ("wq", "wk", "wv", "wq_a", "wq_b", "wkv_a", "wkv_b", "wo")
+            out += [(getattr(module, n), "attention_projections") for n in names if hasattr(module, n)]
             out.append((module, "attention_scores"))
         elif isinstance(module, Block) and isinstance(module.ffn, FeedForward):
             out.append((module.ffn, "dense_ffn"))
@@ -166,13 +173,12 @@ class ComponentFlopCounter(TorchDispatchMode):
 
     def _enter_component(self, component: str):
         def hook(module, args):
-            self._stack.append(component)
+            self._stack.append("mtp" if "mtp" in self._stack else component)
         return hook
 
     def _leave_component(self, component: str):
         def hook(module, args, kwargs, output):
-            self._stack.pop()
-            _tag_graph(output, (args, kwargs), component)
+            _tag_graph(output, (args, kwargs), self._stack.pop())
         return hook
 
     def _component(self) -> str:
@@ -257,14 +263,20 @@ class FlopMeasurement:
 def single_process_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens_BS1: torch.Tensor,
                         autocast: Callable) -> dict:
     """One plain training step (next-token cross entropy + MoE aux losses, backward, optimizer
-    step) on one process → the per-layer MoE stats, for `measure_flops`."""
+    step) on one process → the per-layer MoE stats, for `measure_flops`. With multi-token
+    prediction its loss joins, weighted as the trainer weighs it."""
     with autocast():
         out = model(tokens_BS1[:, :-1])
-        ce = nn.functional.cross_entropy(out.logits_BSV.float().flatten(0, 1), tokens_BS1[:, 1:].flatten())
-    (ce + out.aux_loss).backward()
+        ce = _cross_entropy(out.logits_BSV, tokens_BS1[:, 1:])
+        mtp = mtp_cross_entropy(out.mtp_logits, tokens_BS1[:, 1:], _cross_entropy)
+    (ce + out.aux_loss + model.cfg.mtp_loss_weight * mtp).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return out.moe
+
+
+def _cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
 
 
 def measure_flops(model: nn.Module, step: Callable[[], dict], steps: int, tokens_per_step: int) -> FlopMeasurement:

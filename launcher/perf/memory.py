@@ -5,7 +5,8 @@ nothing here builds a model or touches a device.
 Legend: L layers, D model dim, H query heads, G key/value heads, Dh head dim, F dense FFN hidden dim,
 Fe expert hidden dim, Fs shared-expert hidden dim, E experts, K top-k, V vocabulary, S sequence length.
 
-Weights: layers are split evenly over `pp` stages; the first holds the embedding, the last the head.
+Weights: layers are split evenly over `pp` stages; the first holds the embedding, the last the head
+and the multi-token-prediction modules (model/mtp.py), with a copy of the embedding under pp > 1.
 Dense weights are split by `tp`; routed expert weights by `ep × etp` (etp = 1 replicates them over
 tp). The ranks holding the same weights are the dp × cp ones (experts: dp / ep × cp); how much of
 that copy a rank keeps depends on `dp_mode`:
@@ -28,7 +29,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from moetron.launcher.perf.flops import layer_counts, matmul_params, params_embedding, params_total
+from moetron.launcher.perf.flops import (
+    layer_counts,
+    matmul_params,
+    params_embedding,
+    params_mtp,
+    params_mtp_experts,
+    params_total,
+)
 from moetron.model.config import ModelConfig
 from moetron.parallel.config import ParallelConfig
 
@@ -69,6 +77,10 @@ def activation_elements_per_token(cfg: ModelConfig, par: ParallelConfig = SINGLE
     residual = 4 * D / d_split
     # q, k, v, the attention output and its copy as W_o's input.
     attention = (3 * H * Dh + 2 * G * Dh) / tp
+    if cfg.mla.enabled:  # q and the expanded k (Dq), v, the output and its copy (Dv); the latents
+        mla = cfg.mla  # and their norms' outputs, and the rope key, whole on every tp rank
+        attention = (H * (2 * mla.qk_head_dim + 3 * mla.v_head_dim) / tp
+                     + 2 * (mla.kv_lora_rank + mla.q_lora_rank) + mla.qk_rope_head_dim)
     if cfg.attention == "eager":
         attention += 2 * H * seq_len / tp
     # SwiGLU keeps gate, up, silu(gate) and their product; GeLU/ReLU the pre- and post-activation.
@@ -85,6 +97,15 @@ def activation_elements_per_token(cfg: ModelConfig, par: ParallelConfig = SINGLE
         routed = router + moe.top_k * (2 * D + hidden * cfg.d_expert_ff / par.etp) * expert_imbalance
         routed += hidden * moe.shared_expert_d_ff / tp
     return {"dense_layer": residual + attention + dense, "moe_layer": residual + attention + routed}
+
+
+def _gathered_kv_width(cfg: ModelConfig, tp: int) -> float:
+    """Elements a rank keeps per position it gathers under context parallelism: K and V of its
+    heads; under MLA the latent and rope key, and the keys and values expanded from them."""
+    if not cfg.mla.enabled:
+        return 2 * cfg.kv_heads * cfg.dim_head / tp
+    mla = cfg.mla
+    return mla.kv_lora_rank + mla.qk_rope_head_dim + cfg.n_heads * (mla.qk_head_dim + mla.v_head_dim) / tp
 
 
 def busiest_rank_imbalance(cfg: ModelConfig, ep: int, expert_imbalance: float) -> float:
@@ -107,15 +128,18 @@ def microbatches_in_flight(par: ParallelConfig) -> int:
 def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float]:
     """(parameters whose weights and grads the most loaded rank keeps, parameters whose optimizer
     state it keeps); see the module docstring for the split by dp_mode."""
-    expert = matmul_params(cfg, active=False)["experts"]
+    expert, mtp_expert = matmul_params(cfg, active=False)["experts"], params_mtp_experts(cfg)
     head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
-    stage_layers = (params_total(cfg) - params_embedding(cfg) - expert - head) / par.pp
+    mtp = params_mtp(cfg)
+    stage_layers = (params_total(cfg) - params_embedding(cfg) - expert - head - mtp) / par.pp
+    # The last stage's MTP modules; under pp > 1 with their copy of the embedding.
+    tail = head + (mtp - mtp_expert) + (params_embedding(cfg) if mtp and par.pp > 1 else 0)
     if par.pp == 1:
-        dense_rank = stage_layers + params_embedding(cfg) + head
+        dense_rank = stage_layers + params_embedding(cfg) + tail
     else:
-        dense_rank = stage_layers + max(params_embedding(cfg), head)
+        dense_rank = stage_layers + max(params_embedding(cfg), tail)
     dense_rank /= par.tp
-    expert_rank = expert / par.pp / (par.ep * par.etp)
+    expert_rank = (expert / par.pp + mtp_expert) / (par.ep * par.etp)
     shard, cp = par.shard_group, par.cp
     held = dense_rank + expert_rank
     if par.dp_mode in ("fsdp", "hsdp"):
@@ -142,12 +166,22 @@ def activation_bytes_held(cfg: ModelConfig, par: ParallelConfig, *, seq_len: int
             per_token["dense_layer"] if n_dense else 0.0, per_token["moe_layer"] if n_moe else 0.0)
     tokens = seq_len // cp * micro_batch
     # Context parallelism keeps the K/V of the other cp ranks' positions for backward.
-    layer_elements += (cfg.n_layers / pp) * 2 * cfg.kv_heads * cfg.dim_head / tp * (seq_len - seq_len // cp) / max(
+    layer_elements += (cfg.n_layers / pp) * _gathered_kv_width(cfg, tp) * (seq_len - seq_len // cp) / max(
         seq_len // cp, 1)
-    logits = tokens * cfg.vocab_size / tp * 2 * 4  # fp32 logits and their gradient
+    # fp32 logits and their gradient, once more per MTP depth.
+    logits = tokens * cfg.vocab_size / tp * 2 * 4 * (1 + cfg.mtp_depth)
     first = layer_elements * tokens * microbatches_in_flight(par) * activation_bytes
-    last = layer_elements * tokens * activation_bytes + logits
-    return max(first, last) if pp > 1 else first + logits
+    last = (layer_elements + _mtp_elements(cfg, par, per_token, mode)) * tokens * activation_bytes + logits
+    return max(first, last) if pp > 1 else last
+
+
+def _mtp_elements(cfg: ModelConfig, par: ParallelConfig, per_token: dict[str, float], mode: str) -> float:
+    """Elements per token the MTP modules save on the last stage: one layer each (its block, as
+    the decoder's layer n_layers + k − 1 is built), only its input under full checkpointing."""
+    layers = range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth)
+    if mode == "full":
+        return len(layers) * cfg.d_model / (par.tp if par.sequence_parallel else 1)
+    return sum(per_token["moe_layer" if cfg.is_moe_layer(i) else "dense_layer"] for i in layers)
 
 
 def memory_per_rank(cfg: ModelConfig, par: ParallelConfig = SINGLE_RANK, *, seq_len: int, micro_batch: int,

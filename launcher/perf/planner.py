@@ -50,6 +50,7 @@ from moetron.launcher.perf.flops import (
     layer_counts,
     matmul_params,
     params_embedding,
+    params_mtp,
     params_total,
 )
 from moetron.launcher.perf.memory import busiest_rank_imbalance, memory_per_rank
@@ -355,7 +356,7 @@ def _block_params(m) -> tuple[float, float]:
     """(parameters of one block outside the routed experts, routed-expert parameters of one MoE block)."""
     experts = matmul_params(m, active=False)["experts"]
     _, n_moe = layer_counts(m)
-    dense = (params_total(m) - params_embedding(m) - experts) / m.n_layers
+    dense = (params_total(m) - params_embedding(m) - experts - params_mtp(m)) / m.n_layers  # the decoder's blocks
     return dense, experts / max(n_moe, 1)
 
 

@@ -39,7 +39,7 @@ def custom_scalars_layout(moe: bool) -> dict:
             "memory (GiB)": ["Multiline", ["^memory_gib$"]],
         },
         "training": {
-            "loss": ["Multiline", ["^loss$", "^val_loss$"]],
+            "loss": ["Multiline", ["^loss$", "^val_loss$", "^mtp_loss$"]],
             "learning rate": ["Multiline", ["^lr$"]],
             "grad norm": ["Multiline", ["^grad_norm$"]],
         },

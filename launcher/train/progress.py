@@ -30,7 +30,8 @@ class Progress:
     def update(self, step: int, record: dict) -> None:
         if not self.enabled:
             return
-        self._last.update({k: v for k, v in record.items() if k in ("loss", "val_loss", "tokens_per_s", "mfu")})
+        shown = ("loss", "mtp_loss", "val_loss", "tokens_per_s", "mfu")
+        self._last.update({k: v for k, v in record.items() if k in shown})
         if self._bar is not None:  # the bar shows the newest of each, val_loss included
             info = "  ".join(_shown(k, v) for k, v in self._last.items())
             self._bar.update(self._task, completed=step, info=info)

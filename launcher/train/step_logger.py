@@ -3,7 +3,8 @@
 Every step updates the progress bar (or line). A step's record in metrics.jsonl (and its numbers
 in TensorBoard) starts with loss, lr, tokens and elapsed_s, and is written only at
 - a log step (every train.log_every, the last step, and every skipped step), with grad_norm,
-  skipped_steps, failed_saves (once a save failed), aux_loss, step_time, the router summary, and
+  skipped_steps, failed_saves (once a save failed), aux_loss, mtp_loss (with multi-token prediction:
+  its CE averaged over depths, also on the console), step_time, the router summary, and
   throughput and MFU over the window since the last log step, which holds training iterations
   only: no evaluation, no checkpoints. The MoE dashboards are drawn then too;
 - an evaluation step (every train.eval_every, and the last step), with val_loss.
@@ -89,8 +90,10 @@ class StepLogger:
         """A log step's numbers (in the order metrics.jsonl has them); draws the dashboards and
         starts the next throughput window."""
         out = {"failed_saves": failed_saves} if failed_saves else {}
-        out.update(grad_norm=result.grad_norm, skipped_steps=skipped_steps, aux_loss=result.aux_loss,
-                   tokens_per_s=self._window_tokens / self._window_s, step_time=step_s, **moe_summary(result.moe))
+        out.update(grad_norm=result.grad_norm, skipped_steps=skipped_steps, aux_loss=result.aux_loss)
+        if result.mtp_loss is not None:  # multi-token prediction's CE, mean over depths (its loss / λ)
+            out["mtp_loss"] = result.mtp_loss
+        out.update(tokens_per_s=self._window_tokens / self._window_s, step_time=step_s, **moe_summary(result.moe))
         out.update(self.meter.window(self._window_tokens, self._window_s))
         self.dashboards.log_moe(step, result.moe)
         self.dashboards.log_bias(step, {i: r.expert_bias_E for i, r in biased_routers(self.modules).items()})

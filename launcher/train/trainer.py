@@ -111,6 +111,8 @@ class StepResult:
     # Non-finite loss or grad norm: the optimizer did not step (launcher/train/nonfinite.py); why.
     skipped: bool = False
     reason: str = ""
+    # Multi-token prediction's CE averaged over depths (model/mtp.py); None without MTP.
+    mtp_loss: float | None = None
 
 
 @dataclass
@@ -185,7 +187,9 @@ class ExpertBiasUpdate:
         self._depth -= 1
         if self._depth == 0:
             m = self.cfg.model
-            update_expert_biases(self.pm.modules, self.pm.mesh, m.n_layers, m.moe.num_experts, self.device)
+            # MTP blocks route too: their rows follow the decoder's (layer n_layers + k − 1).
+            update_expert_biases(self.pm.modules, self.pm.mesh, m.n_layers + m.mtp_depth, m.moe.num_experts,
+                                 self.device)
 
 
 def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
@@ -217,7 +221,7 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: t
     if after_backward is not None:
         after_backward()
     grad_norm = float(pm.clip_grad_norm_(grad_clip if grad_clip > 0 else float("inf")))
-    ce, aux = pm.global_losses(losses.ce, losses.aux)
+    ce, aux, mtp = pm.global_losses(losses.ce, losses.aux, losses.mtp)
     skipped = not is_finite(ce, grad_norm)
     reason = diagnose(ce, grad_norm, losses.moe, pm.named_parameters()) if skipped else ""
     if skipped:
@@ -225,7 +229,8 @@ def train_step(pm: ParallelModel, optimizer: torch.optim.Optimizer, batch_BS1: t
     else:
         optimizer.step()  # and its hooks (ExpertBiasUpdate)
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(ce, aux, grad_norm, losses.moe, skipped, reason)
+    return StepResult(ce, aux, grad_norm, losses.moe, skipped, reason,
+                      mtp_loss=mtp if pm.modules[0].cfg.mtp_depth else None)
 
 
 def evaluate(pm: ParallelModel, batches: list[torch.Tensor], autocast, device) -> float:

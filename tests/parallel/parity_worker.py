@@ -8,7 +8,7 @@ in that order, and the reference process accumulates over exactly those chunks. 
 capacity and the load-balancing loss are per micro-batch, so this is the only reference under
 which they are defined identically.
 
-Checked per step: the loss (CE and aux) within LOSS_RTOL; after step 1 every parameter's
+Checked per step: the loss (CE, aux, and multi-token prediction's CE) within LOSS_RTOL; after step 1 every parameter's
 gradient (gathered from its shards) within GRAD_TOL of the largest reference gradient entry,
 and the global gradient norm within GRAD_TOL relative;
 the expert token counts of the last micro-batch exactly. With aux-loss-free routing (the *_bias
@@ -23,15 +23,16 @@ import contextlib
 import json
 import sys
 import time
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
 from moetron.model.moe import MoELayer
+from moetron.model.mtp import mtp_cross_entropy
 from moetron.model.packing import Packing
 from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
@@ -57,6 +58,19 @@ BIAS = {"score": "sigmoid", "bias_update_rate": 0.05}
 BIAS_GROUPS = {**BIAS, "num_groups": 2, "topk_groups": 1}
 BIAS_SEQUENCE = {**BIAS, "aux_loss_type": "sequence"}  # DeepSeek-V3's per-sequence balance loss beside the bias
 GLOBAL = {"aux_loss_type": "global_batch", "aux_loss_coef": 0.1}  # Qwen3's loss over the global batch
+# Multi-head latent attention (model fields beside MoE ones): q, k 12 wide (8 + 4 rope), v 6, with
+# and without a query latent.
+MLA = {"n_kv_heads": None, "mla": MLAConfig(kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                            v_head_dim=6)}
+MLA_PLAIN_Q = {**MLA, "mla": replace(MLA["mla"], q_lora_rank=0)}
+# Qwen2-MoE: q/k/v biases (split with their heads under tp) and a shared expert gated per token.
+QWEN2 = {"attention_bias": "qkv", "shared_expert_d_ff": 48, "shared_expert_gate": True}
+# GPT-OSS: sink logits split with the heads, a 5-key window on alternate layers (shorter than the 16
+# positions), q/k/v/o biases, a biased router, biased experts (dim 0 over ep, F over etp), and the
+# clamped SwiGLU with a limit low enough (0.1) to cut many of the gate and up values at init.
+GPTOSS = {"attention_sinks": True, "sliding_window": 5, "layer_types": ("sliding", "full", "sliding", "full"),
+          "attention_bias": "all", "router_bias": True, "expert_bias": True, "swiglu_limit": 0.1,
+          "swiglu_alpha": 1.702, "swiglu_up_offset": 1.0}
 
 # name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
@@ -150,11 +164,47 @@ CASES = {
     "cp2_packed": (dict(cp=2), {}, 1),
     "pp2_1f1b_packed": (dict(pp=2, microbatches=2, schedule="1f1b"), {}, 2),
     "pp2_cp2_packed": (dict(pp=2, cp=2, microbatches=2, schedule="1f1b"), {"position": "sinusoidal"}, 1),
+    # MLA: heads split by tp (the rope key's gradient summed), the latent and rope key exchanged by cp.
+    "tp2_mla": (dict(tp=2), MLA_PLAIN_Q, 1),
+    "tp2_sp_mla": (dict(tp=2, sequence_parallel=True), MLA, 1),
+    "cp2_mla": (dict(cp=2), MLA, 1),
+    "pp2_1f1b_mla": (dict(pp=2, microbatches=2, schedule="1f1b"), MLA_PLAIN_Q, 2),
+    # DeepSeek-V3-like routing beside it; groups scored by their best expert (V2's rule).
+    "tp2_ep2_mla": (dict(dp=2, tp=2, ep=2), {**MLA, **BIAS_GROUPS, "group_score_top": 1}, 1),
+    "cp2_tp2_sp_mla": (dict(cp=2, tp=2, sequence_parallel=True), MLA_PLAIN_Q, 1),
+    "tp2_mla_mtp": (dict(tp=2), {**MLA, "mtp_depth": 1}, 1),  # DeepSeek-V3's pair: the MTP block is MLA too
+    "tp2_ep2_qwen2": (dict(dp=2, tp=2, ep=2), QWEN2, 1),
+    "tp2_gptoss": (dict(tp=2), GPTOSS, 1),
+    "tp2_sp_gptoss": (dict(tp=2, sequence_parallel=True), GPTOSS, 1),
+    "cp2_gptoss": (dict(cp=2), GPTOSS, 1),  # the window and sinks on the explicit-bias path
+    "tp2_ep2_gptoss": (dict(dp=2, tp=2, ep=2), GPTOSS, 1),
+    "tp2_etp2_ep2_gptoss": (dict(dp=2, tp=2, ep=2, etp=2), GPTOSS, 1),  # the down bias added once
+    # Multi-token prediction, two depths (the first block dense, the second MoE: layers 4 and 5
+    # of every=2) sharing the embedding and the vocabulary-split head; under sp with its own parts
+    # on the local S slice; with experts over ep and FSDP wrapping the embedding and head called
+    # three times a step; the MTP routers' biases moved with the decoder's.
+    "tp2_mtp": (dict(tp=2), {"mtp_depth": 2}, 2),
+    "tp2_sp_mtp": (dict(tp=2, sequence_parallel=True), {"mtp_depth": 2, **BIAS}, 1),
+    "tp2_ep2_mtp": (dict(dp=2, tp=2, ep=2), {"mtp_depth": 2, **BIAS_GROUPS}, 1),
+    # The last stage runs the MTP modules on the ids passed along the stages, with its copy of the
+    # embedding (gradients summed with the first stage's); grad_accum 2.
+    "pp2_1f1b_mtp": (dict(pp=2, microbatches=2, schedule="1f1b"), {"mtp_depth": 2}, 2),
+    "pp2_zero_bubble_mtp": (dict(pp=2, microbatches=2, schedule="zero_bubble"), {"mtp_depth": 1, **BIAS}, 1),
+    # The embedding and its copy split over tp by vocabulary rows and over dp by FSDP: the pair sums
+    # its local pieces; absolute positions split at the first block, so the copy's output comes split.
+    "pp2_tp2_sp_mtp": (dict(pp=2, tp=2, sequence_parallel=True, microbatches=2, schedule="1f1b"),
+                       {"mtp_depth": 2, "position": "sinusoidal"}, 1),
+    "pp2_dp2_interleaved_mtp": (dict(pp=2, dp=2, vpp=2, microbatches=2, schedule="interleaved_1f1b"),
+                                {"mtp_depth": 1}, 1),
+    # Four stages: the embedding's pair is stage 0's rank and stage 3's, the middle ones pass the ids on.
+    "pp4_gpipe_mtp": (dict(pp=4, microbatches=4, schedule="gpipe"), {"mtp_depth": 2}, 1),
+    # Packed documents: the ids travel after the documents' starts and positions.
+    "pp2_1f1b_packed_mtp": (dict(pp=2, microbatches=2, schedule="1f1b"), {"mtp_depth": 1}, 1),
 }
 
 # Cases whose windows hold several documents, each closed by EOD (about one token in five).
 EOD = 1
-PACKED = {"tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed", "pp2_cp2_packed"}
+PACKED = {"tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed", "pp2_cp2_packed", "pp2_1f1b_packed_mtp"}
 PACKING = Packing(EOD, reset_positions=True)
 
 
@@ -216,11 +266,11 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
     model = build_model(model_cfg, device="meta")
     materialize_and_init(meta, [model], seed=SEED, device=torch.device("cpu"), ep_slice=lambda n, t: t)
     opt = make_optimizer(model.named_parameters(), adamw)
-    out = {"ce": [], "aux": [], "counts": [], "grads": None}
+    out = {"ce": [], "aux": [], "mtp": [], "counts": [], "grads": None}
     routers = {i: b.ffn.router for i, b in model.layers.items() if isinstance(b.ffn, MoELayer)}
     global_batch = model_cfg.moe.aux_loss_type == "global_batch"
     for batch in batches(packed):
-        ce_sum = aux_sum = 0.0
+        ce_sum = aux_sum = mtp_sum = 0.0
         counts = []
         micros = batch.chunk(chunks)
         loads = global_batch_loads(model, micros, dp) if global_batch else []
@@ -233,8 +283,10 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
                     router.hooks.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
             res = model(micro[:, :-1], *packed_args(micro, packed))
             ce = cross_entropy(res.logits_BSV, micro[:, 1:])
-            ((ce + res.aux_loss) / chunks).backward()
-            ce_sum, aux_sum = ce_sum + ce.item(), aux_sum + res.aux_loss.item()
+            # Multi-token prediction: λ/D Σ_k CE_k (0 without it).
+            mtp = mtp_cross_entropy(res.mtp_logits, micro[:, 1:], cross_entropy)
+            ((ce + res.aux_loss + model_cfg.mtp_loss_weight * mtp) / chunks).backward()
+            ce_sum, aux_sum, mtp_sum = ce_sum + ce.item(), aux_sum + res.aux_loss.item(), mtp_sum + mtp.item()
             counts.append({k: s.counts_E.tolist() for k, s in res.moe.items()})
         if out["grads"] is None:
             out["grads"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -244,6 +296,7 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
             router.update_bias(router.tokens_per_expert_E.clone())
         out["ce"].append(ce_sum / chunks)
         out["aux"].append(aux_sum / chunks)
+        out["mtp"].append(mtp_sum / chunks)
         out["counts"].append(counts)
     out["bias"] = {layer: r.expert_bias_E.clone() for layer, r in biased_routers([model]).items()}
     return out
@@ -267,8 +320,9 @@ def full_grad(pm, name: str, p: torch.Tensor) -> torch.Tensor:
 def run_case(name: str) -> dict:
     layout, moe_changes, grad_accum = CASES[name]
     pcfg = ParallelConfig(**layout)
-    model_changes = {k: v for k, v in moe_changes.items() if k == "position"}
-    moe_only = {k: v for k, v in moe_changes.items() if k != "position"}
+    model_fields = {f.name for f in fields(ModelConfig)} - {"moe"}  # the rest are MoE fields
+    model_changes = {k: v for k, v in moe_changes.items() if k in model_fields}
+    moe_only = {k: v for k, v in moe_changes.items() if k not in model_fields}
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
     mb = pcfg.microbatches if pcfg.pp > 1 else 1
     adamw = name in ADAMW
@@ -281,7 +335,7 @@ def run_case(name: str) -> dict:
                      packing=PACKING if packed else None)
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
-    worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0}
+    worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0, "mtp": 0.0}
     counts_ok = True
     dp_rank = mesh.rank("dp")
     # Pipelines: each stage runs once per micro-batch, never on placeholders to learn shapes, on
@@ -306,8 +360,9 @@ def run_case(name: str) -> dict:
         losses = pm.forward_backward(pm.local_batch(batch), grad_accum=grad_accum, autocast=contextlib.nullcontext)
         forwards_ok &= one_forward_per_micro_batch()
         norm = float(pm.clip_grad_norm_(float("inf")))
-        ce, aux = pm.global_losses(losses.ce, losses.aux)
+        ce, aux, mtp = pm.global_losses(losses.ce, losses.aux, losses.mtp)
         worst["ce"] = max(worst["ce"], abs(ce - ref["ce"][step]) / abs(ref["ce"][step]))
+        worst["mtp"] = max(worst["mtp"], abs(mtp - ref["mtp"][step]) / max(abs(ref["mtp"][step]), 1e-12))
         worst["aux"] = max(worst["aux"], abs(aux - ref["aux"][step]) / max(abs(ref["aux"][step]), 1e-12))
         last_chunk = (dp_rank + 1) * grad_accum * mb - 1
         for layer, stats in losses.moe.items():
@@ -322,7 +377,8 @@ def run_case(name: str) -> dict:
         opt.step()
         opt.zero_grad()
         if model_cfg.moe.bias_update_rate > 0:
-            update_expert_biases(pm.modules, mesh, model_cfg.n_layers, model_cfg.moe.num_experts, torch.device("cpu"))
+            update_expert_biases(pm.modules, mesh, model_cfg.n_layers + model_cfg.mtp_depth, model_cfg.moe.num_experts,
+                                 torch.device("cpu"))
     state_ok = True
     if owners is not None:
         # Each parameter's AdamW moments live on exactly one rank of its copies, and no rank holds all.
@@ -338,12 +394,13 @@ def run_case(name: str) -> dict:
     if model_cfg.moe.bias_update_rate > 0 and not ref["bias"]:
         bias_err = float("inf")  # the reference has no biased router: the case tests nothing
     t = torch.tensor([worst["ce"], worst["aux"], worst["grad"], float(not counts_ok), bias_err, float(not state_ok),
-                      eval_err, float(not forwards_ok)], dtype=torch.float64)
+                      eval_err, float(not forwards_ok), worst["mtp"]], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    ce_err, aux_err, grad_err, counts_bad, bias_err, state_bad, eval_err, forwards_bad = t.tolist()
-    ok = (ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and grad_err <= GRAD_TOL and not counts_bad
+    ce_err, aux_err, grad_err, counts_bad, bias_err, state_bad, eval_err, forwards_bad, mtp_err = t.tolist()
+    ok = (ce_err <= LOSS_RTOL and aux_err <= LOSS_RTOL and mtp_err <= LOSS_RTOL and grad_err <= GRAD_TOL
+          and not counts_bad
           and bias_err <= BIAS_TOL and not state_bad and eval_err <= LOSS_RTOL and not forwards_bad)
-    return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "grad_rel": grad_err,
+    return {"case": name, "ok": ok, "ce_rel": ce_err, "aux_rel": aux_err, "mtp_rel": mtp_err, "grad_rel": grad_err,
             "counts_equal": not counts_bad, "bias_abs": bias_err, "optimizer_state_sharded": not state_bad,
             "eval_ce_rel": eval_err, "one_stage_forward_per_micro_batch": not forwards_bad}
 

@@ -8,7 +8,7 @@ import pytest
 
 from moetron.launcher.perf import flops
 from moetron.launcher.perf.memory import memory_per_rank
-from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 
 MOES = {
@@ -109,3 +109,31 @@ def test_accounting_has_the_documented_fields():
     assert acct["kv_cache_bytes"] == acct["kv_cache_bytes_per_token"] * 256 * 4
     assert {f for f, _, _ in flops.summary_rows(acct)} >= {"params_active", "flops_per_token", "kv_cache_bytes"}
     assert list(itertools.islice(acct["components"], 1)) == ["attention_projections"]
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 12])
+@pytest.mark.parametrize("moe", MOES.values(), ids=MOES.keys())
+def test_mla_params_equal_the_built_model_and_its_formulas(moe, q_lora_rank):
+    """W_q (or W_qa, W_qb), W_kva, W_kvb, W_o per layer, and the latents' norm gains."""
+    D, L, H, R, Dn, Dr, Dv = 32, 2, 4, 16, 8, 4, 6
+    mla = MLAConfig(kv_lora_rank=R, q_lora_rank=q_lora_rank, qk_nope_head_dim=Dn, qk_rope_head_dim=Dr, v_head_dim=Dv)
+    cfg = ModelConfig(vocab_size=50, d_model=D, n_layers=L, n_heads=H, d_ff=40, max_seq_len=64, mla=mla, moe=moe)
+    assert flops.params_total(cfg) == sum(p.numel() for p in build_model(cfg, device="meta").parameters())
+    q = (D * q_lora_rank + q_lora_rank * H * (Dn + Dr)) if q_lora_rank else D * H * (Dn + Dr)
+    per_layer = q + D * (R + Dr) + R * H * (Dn + Dv) + H * Dv * D
+    assert flops.matmul_params(cfg)["attention_projections"] == L * per_layer
+    # QKᵀ is Dq = 12 wide, PV Dv = 6: 6·L·H·(Dq + Dv)·S.
+    assert flops.attention_flops_per_token(cfg, 64) == 6 * L * H * (Dn + Dr + Dv) * 64
+
+
+def test_mla_kv_cache_holds_the_latent_and_the_rope_key():
+    """DeepSeek-V3: (512 + 64) numbers per layer and token, 61 layers, bf16 — against 128 heads'
+    expanded keys (192) and values (128)."""
+    mla = MLAConfig(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    cfg = ModelConfig(d_model=7168, n_layers=61, n_heads=128, d_ff=18432, vocab_size=129280, mla=mla)
+    assert flops.kv_cache_bytes_per_token(cfg) == (512 + 64) * 61 * 2 == 70272
+    assert flops.kv_cache_bytes_per_token_expanded(cfg) == 61 * 128 * (192 + 128) * 2
+    assert flops.kv_cache_bytes(cfg, seq_len=4096, batch=2) == 70272 * 4096 * 2
+    acct = flops.accounting(cfg, seq_len=4096)
+    rows = {f: note for f, _, note in flops.summary_rows(acct)}
+    assert "latent" in rows["kv_cache_bytes_per_token"] and "kv_cache_bytes_per_token_expanded" in rows
