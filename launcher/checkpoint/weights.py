@@ -14,6 +14,7 @@ import dataclasses
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -112,25 +113,41 @@ def load_model(ckpt: Path, *, device: torch.device | str = "cpu", dropless: bool
 
 def save_weights(model: Decoder, out: Path, *, source: str, extra_files: tuple[Path, ...] = ()) -> Path:
     """Write `model` (and copies of `extra_files`, e.g. a tokenizer.json) as a weights-only
-    checkpoint folder `out` (must not exist or be empty), atomically: into a sibling temporary
-    folder, renamed when complete."""
+    checkpoint folder `out` (must not exist or be empty): see `write_weights_folder`."""
+
+    def write(tmp: Path) -> None:
+        with warnings.catch_warnings():
+            # One process without a process group is a supported layout here, not a mistake.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+
+    return write_weights_folder(out, model.cfg, model.embed.weight.dtype, write, source=source,
+                                extra_files=extra_files)
+
+
+def write_weights_folder(out: Path, model_cfg: ModelConfig, dtype: torch.dtype, write: Callable[[Path], None], *,
+                         source: str, extra_files: tuple[Path, ...] = ()) -> Path:
+    """A weights-only checkpoint folder `out` (must not exist or be empty) whose DCP shards
+    `write(folder)` puts there, with state.json and copies of `extra_files`, atomically: into a
+    sibling temporary folder, renamed when complete, removed if anything fails."""
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CheckpointError(f"--out {out}: already exists; choose a new folder")
-    cfg = weights_config(model.cfg)
+    cfg = weights_config(model_cfg)
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    with warnings.catch_warnings():
-        # One process without a process group is a supported layout here, not a mistake.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
-    state = {"step": 0, "tokens": 0, "config": cfg.to_dict(), "source": source,
-             "dtype": str(model.embed.weight.dtype).removeprefix("torch.")}
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    for f in extra_files:
-        shutil.copyfile(f, tmp / Path(f).name)
-    (tmp / COMPLETE).write_text(out.name + "\n")
+    try:
+        write(tmp)
+        state = {"step": 0, "tokens": 0, "config": cfg.to_dict(), "source": source,
+                 "dtype": str(dtype).removeprefix("torch.")}
+        (tmp / "state.json").write_text(json.dumps(state, indent=1))
+        for f in extra_files:
+            shutil.copyfile(f, tmp / Path(f).name)
+        (tmp / COMPLETE).write_text(out.name + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if out.exists():
         out.rmdir()
     tmp.rename(out)

@@ -137,7 +137,7 @@ def test_config_reads_both_transformers_generations():
         assert cfg.max_seq_len == 4096 and cfg.kv_heads == 4 and cfg.d_ff == 14336
 
 
-@pytest.mark.parametrize("hf,needle", [({"model_type": "llama"}, "only mixtral, qwen3_moe, olmoe convert"),
+@pytest.mark.parametrize("hf,needle", [({"model_type": "llama"}, "only mixtral, qwen3_moe, olmoe, "),
                                        ({"hidden_act": "gelu"}, "SwiGLU"),
                                        ({"num_experts_per_tok": 1}, "top-1"),
                                        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "yarn")])

@@ -2,7 +2,11 @@
 checkpoint that `moetron generate` continues exactly as transformers does, and a training
 checkpoint becomes a folder `MixtralForCausalLM.from_pretrained` loads with the same logits."""
 
+import filecmp
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +18,7 @@ from moetron.launcher.cli.main import main
 from moetron.launcher.config import Config, TrainConfig
 from moetron.launcher.train.optim import build_optimizer
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.hf import save_hf
 from moetron.model.transformer import build_model
 
 VOCAB = 96
@@ -129,3 +134,82 @@ def test_refusals_are_one_line_and_status_2(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("moetron convert: ") and needle in err, err
     assert not any((tmp_path / f"o{i}").exists() for i in (1, 2, 3))
+
+
+# One process converts a tiny folder both ways first (imports and one-time set-up done), then a big
+# one: what each big conversion adds is its peak resident set (the kernel's VmHWM, reset through
+# /proc/self/clear_refs just before it; ru_maxrss cannot be reset) above the resident set it started
+# from. The files are read with plain reads into fresh tensors, not memory-mapped, so file pages
+# touched on the way do not count.
+MEASURE = """
+import json, sys
+from moetron.launcher.cli.main import main
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+for argv in json.loads(sys.argv[1]):
+    open("/proc/self/clear_refs", "w").write("5")
+    resting = kib("VmRSS")
+    assert main(["convert", *argv]) == 0
+    print(kib("VmHWM") - resting)
+"""
+
+
+def peak_growths(*runs: list[str]) -> list[int]:
+    """Bytes by which each `moetron convert *run`, in turn in one fresh process, raised the
+    resident set above where it started."""
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(runs)], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [int(line) * 1024 for line in out.stdout.splitlines() if line.isdigit()]
+
+
+def test_conversion_streams_in_bounded_memory(tmp_path):
+    """A 240 MB Mixtral in 8 shards of 30 MB, both ways: the resident set grows by less than two
+    shards (after a warm-up on a tiny model), where holding the model would take eight."""
+    torch.manual_seed(0)
+    save_hf(build_model(MIXTRAL.replace(n_layers=1, vocab_size=VOCAB)), tmp_path / "small")
+    big = MIXTRAL.replace(vocab_size=4096, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=512, max_seq_len=256)
+    files = save_hf(build_model(big), tmp_path / "big", max_shard_bytes=30 * 10**6)
+    largest = max(f.stat().st_size for f in files)
+    assert sum(f.stat().st_size for f in files) > 7 * largest
+    *_, from_hf, to_hf = peak_growths(
+        ["--from-hf", str(tmp_path / "small"), "--out", str(tmp_path / "c_small")],
+        ["--to-hf", str(tmp_path / "c_small"), "--out", str(tmp_path / "h_small")],
+        ["--from-hf", str(tmp_path / "big"), "--out", str(tmp_path / "c_big")],
+        ["--to-hf", str(tmp_path / "c_big"), "--out", str(tmp_path / "h_big"), "--max-shard-size", "30MB"])
+    assert from_hf < 2 * largest, f"from Hugging Face: {from_hf / 1e6:.0f} MB more for the big model"
+    assert to_hf < 2 * largest, f"to Hugging Face: {to_hf / 1e6:.0f} MB more for the big model"
+    # And back byte for byte: the same tensors, in the same order and shards.
+    assert sorted(p.name for p in (tmp_path / "h_big").iterdir()) == sorted(p.name for p in (tmp_path / "big").iterdir())
+    for f in files:
+        assert filecmp.cmp(f, tmp_path / "h_big" / f.name, shallow=False), f.name
+
+
+def test_an_unexpected_tensor_is_refused_before_anything_is_written(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    save_hf(build_model(MIXTRAL.replace(n_layers=1)), tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    tensors = load_file(str(weights))
+    save_file({**tensors, "model.layers.0.mlp.router_bias": torch.zeros(8)}, str(weights), metadata={"format": "pt"})
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tensor model.layers.0.mlp.router_bias is not one the mixtral conversion expects" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    # The same when the folder exists (empty) already: left as it was.
+    (tmp_path / "ckpt").mkdir()
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 2
+    assert not any((tmp_path / "ckpt").iterdir())
+    capsys.readouterr()
+    # The other way: a checkpoint tensor the family's folder has no place for would be lost.
+    model = build_model(MIXTRAL.replace(n_layers=1))
+    model.register_parameter("extra_gain", torch.nn.Parameter(torch.ones(4)))
+    save_weights(model, tmp_path / "odd", source="test")
+    assert main(["convert", "--to-hf", str(tmp_path / "odd"), "--out", str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "tensor extra_gain has no place in a mixtral folder" in err, err
+    assert not (tmp_path / "hf2").exists() and not (tmp_path / ".tmp-hf2").exists()
