@@ -44,11 +44,11 @@ tensor mapping sees the ModelConfig alone, which does not record the layout.
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any, Callable, Iterator
 
 import torch
 
+from moetron.model import hf_mtp
 from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
@@ -83,13 +83,6 @@ def claims(cfg: ModelConfig) -> str | None:
     return "deepseek_v3" if cfg.moe.score == "sigmoid" else "deepseek_v2"
 
 
-def _mtp_module():
-    """model/hf_mtp.py (multi-token prediction's tensors), or None where it does not exist."""
-    if importlib.util.find_spec("moetron.model.hf_mtp") is None:
-        return None
-    return importlib.import_module("moetron.model.hf_mtp")
-
-
 # ---------------------------------------------------------------------------------------------
 # Config
 
@@ -105,7 +98,6 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     mla = MLAConfig(kv_lora_rank=h["kv_lora_rank"], q_lora_rank=h["q_lora_rank"] or 0,
                     qk_nope_head_dim=h["qk_nope_head_dim"], qk_rope_head_dim=h["qk_rope_head_dim"],
                     v_head_dim=h["v_head_dim"], yarn_mscale=mscale)
-    mtp = _mtp_module()
     return ModelConfig(
         vocab_size=h["vocab_size"], d_model=h["hidden_size"], n_layers=h["num_hidden_layers"], n_heads=H,
         d_ff=h["intermediate_size"], activation="swiglu", norm="rmsnorm", norm_eps=float(h["rms_norm_eps"]),
@@ -113,7 +105,7 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         rope_scaling_factor=float(factor), rope_original_max_seq_len=original,
         max_seq_len=h["max_position_embeddings"], dropout=0.0, bias=False,
         tie_embeddings=bool(h["tie_word_embeddings"]), init_std=float(h["initializer_range"]),
-        mtp_depth=int(h.get("num_nextn_predict_layers") or 0) if mtp is not None and family == "deepseek_v3" else 0,
+        mtp_depth=int(h.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0,
         mla=mla, moe=_moe_from_hf(h, family))
 
 
@@ -342,12 +334,11 @@ def tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str],
     if not cfg.tie_embeddings:
         yield "head.weight", get("lm_head.weight")
     if cfg.mtp_depth:
-        mtp = _mtp_module()
         if not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in keys):
             raise ValueError(f"num_nextn_predict_layers {cfg.mtp_depth}: the folder holds no model.layers."
                              f"{cfg.n_layers}.* (multi-token prediction) tensors (transformers' save_pretrained "
                              f"drops them); set it to 0 in config.json to convert without them")
-        yield from mtp.mtp_tensors_from_hf(get, keys, cfg)
+        yield from hf_mtp.mtp_tensors_from_hf(get, keys, cfg)
 
 
 def ignored_hf_keys(keys: set[str], cfg: ModelConfig) -> set[str]:
@@ -389,4 +380,4 @@ def tensors_to_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
     if not cfg.tie_embeddings:
         yield "lm_head.weight", sd["head.weight"]
     if cfg.mtp_depth:
-        yield from _mtp_module().mtp_tensors_to_hf(model)
+        yield from hf_mtp.mtp_tensors_to_hf(model)

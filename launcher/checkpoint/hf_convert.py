@@ -37,7 +37,7 @@ from moetron.launcher.checkpoint.weights import (
 )
 from moetron.model.hf import (
     Weights,
-    config_from_hf,
+    folder_config,
     hf_dtype,
     hf_problems,
     plan_from_hf,
@@ -130,8 +130,8 @@ def from_hf(src: Path, out: Path, *, dtype: torch.dtype | None = None,
     ValueError (one line) for a folder that cannot convert, before anything is written.
     → (parameters, dtype)."""
     hf_cfg = read_hf_config(src)
-    cfg = config_from_hf(hf_cfg)
     folder = HFFolder(src)
+    cfg = folder_config(hf_cfg, folder.keys())
     try:
         dtype = dtype or hf_dtype(hf_cfg, folder)
         plan = plan_from_hf(folder, cfg, dtype)
