@@ -50,6 +50,8 @@ TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=128",
          "model.moe.d_expert=64", "train.seq_len=32", "train.batch_size=8", "train.threads=1",
          "train.peak_tflops=1", "train.precision=fp32"]
+MLA = ["model.n_kv_heads=null", "model.mla.kv_lora_rank=32", "model.mla.q_lora_rank=24",
+       "model.mla.qk_nope_head_dim=16", "model.mla.qk_rope_head_dim=8", "model.mla.v_head_dim=16"]
 LAYOUTS = {
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -68,6 +70,13 @@ LAYOUTS = {
     "ep2_ddp": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=ddp"],
     "cp2_sequence_loss": ["parallel.cp=2", "model.moe.aux_loss_type=sequence"],
     "dp2_accum2_global_loss": ["parallel.dp=2", "train.grad_accum=2", "model.moe.aux_loss_type=global_batch"],
+    # Multi-head latent attention: its weights (down projections whole on each tp rank) and, under
+    # cp, the latent and rope key gathered instead of keys and values.
+    "dp2_ddp_mla": ["parallel.dp=2", "parallel.dp_mode=ddp", *MLA],
+    "tp2_mla": ["parallel.tp=2", *MLA],
+    "tp2_sp_mla": ["parallel.tp=2", "parallel.sequence_parallel=true", *MLA],
+    "tp2_mla_no_q_latent": ["parallel.tp=2", *MLA, "model.mla.q_lora_rank=0"],
+    "cp2_mla": ["parallel.cp=2", *MLA],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 

@@ -138,28 +138,40 @@ def _tensor_parallel(s: _Step) -> list[Traffic]:
     # Sites per step: attention in and out of every layer, dense FFN in and out, embedding, head.
     matmul_sites = 2 * m.n_layers + 2 * (m.n_layers - n_moe) + 2
     loss = s.per_chunk("all_reduce", "tp cross entropy (max, sum exp, target logit)", 3, 4)
+    # MLA's down projections are whole on every rank: the gradient of attention's input comes out
+    # whole there, and instead the latents' gradients (q's, or x's without a q latent; kv's; the
+    # rope key's) are all-reduced where they enter the column-parallel heads.
+    mla = m.mla
+    latent_sites = [] if not mla.enabled else [
+        s.per_chunk("all_reduce", f"tp MLA {what} gradients", m.n_layers, width * s.act_bytes)
+        for what, width in (("q latent", mla.q_lora_rank or m.d_model), ("kv latent", mla.kv_lora_rank),
+                            ("rope key", mla.qk_rope_head_dim))]
     if not p.sequence_parallel:
-        return [s.per_chunk("all_reduce", "tp activations", matmul_sites, row), loss]
+        sites = matmul_sites - (m.n_layers if mla.enabled else 0)
+        return [s.per_chunk("all_reduce", "tp activations", sites, row), loss, *latent_sites]
     # Each matmul site is one all-gather and one reduce-scatter, forward and backward in either
     # order (the embedding's backward gathers its output gradient for the vocabulary rows' update,
     # which plain TP gets for free); an MoE layer gathers on both sides instead.
     gathers = matmul_sites + 2 * n_moe
-    scatters = matmul_sites
+    scatters = matmul_sites - (m.n_layers if mla.enabled else 0)
     norm_params = (2 * m.n_layers + (m.norm_position == "pre")) * (2 if m.norm == "layernorm" else 1)
     dp_cp = p.dp * p.cp
     norm_local = _padded(m.d_model, dp_cp) // dp_cp if p.dp_mode == "fsdp" else m.d_model
     norms = Traffic("all_reduce", "sp norm gradients (partial sums over S)", norm_params * s.stage_ranks,
                     norm_params * s.stage_ranks * norm_local * 4)
     return [s.per_chunk("all_gather", "sp activations", gathers, row),
-            s.per_chunk("reduce_scatter", "sp activations", scatters, row), loss, norms]
+            s.per_chunk("reduce_scatter", "sp activations", scatters, row), loss, norms, *latent_sites]
 
 
 def _context_parallel(s: _Step) -> list[Traffic]:
     m, p = s.model, s.par
     if p.cp == 1:
         return []
-    # Each rank gathers cp× its local K and V rows: T·tp·cp rows of 2·G/tp·Dh over a stage.
-    kv = p.cp * 2 * (m.kv_heads // p.tp) * m.dim_head * s.act_bytes
+    # Each rank gathers cp× its local K and V rows: T·tp·cp rows of 2·G/tp·Dh over a stage; under
+    # MLA the latent and the rope key (R + Dr), which every tp rank holds whole.
+    width = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla.enabled
+             else 2 * (m.kv_heads // p.tp) * m.dim_head)
+    kv = p.cp * width * s.act_bytes
     out = [s.per_chunk("all_gather", "cp keys and values (fwd)", m.n_layers, kv),
            s.per_chunk("reduce_scatter", "cp keys' and values' gradients (bwd)", m.n_layers, kv)]
     n_moe = sum(m.is_moe_layer(i) for i in range(m.n_layers))
@@ -272,7 +284,7 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
     shard = p.shard_group if p.dp_mode == "hsdp" else p.dp
     replicas = p.dp // shard
     dp, edp = shard * p.cp, shard // ep * p.cp
-    D, Dh, F, Fe = m.d_model, m.dim_head, m.d_ff, m.d_expert_ff // p.etp
+    D, F, Fe = m.d_model, m.d_ff, m.d_expert_ff // p.etp
     mats = 3 if m.activation == "swiglu" else 2
     norm = [(D,)] * (2 if m.norm == "layernorm" else 1)
 
@@ -287,10 +299,7 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
 
     units = []
     for i in range(m.n_layers):
-        block = norm * 2 + [(m.n_heads * Dh // tp, D), (m.kv_heads * Dh // tp, D), (m.kv_heads * Dh // tp, D),
-                            (D, m.n_heads * Dh // tp)]
-        if m.bias:
-            block += [(m.n_heads * Dh // tp,), (m.kv_heads * Dh // tp,), (m.kv_heads * Dh // tp,), (D,)]
+        block = norm * 2 + _attention_shapes(m, tp)
         if m.is_moe_layer(i):
             block.append((m.moe.num_experts, D))
             if m.moe.shared_expert_d_ff:
@@ -310,6 +319,29 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
     if tail:
         units.append(_Unit(size(tail, dp), dp, replicas=replicas, tensors=len(tail)))
     return units
+
+
+def _attention_shapes(m, tp: int) -> list[tuple[int, ...]]:
+    """One block's attention weights on a tensor-parallel rank (heads split, MLA's down projections
+    and latent norms whole; model/attention.py, model/mla.py)."""
+    D, H = m.d_model, m.n_heads // tp
+    if m.mla.enabled:
+        a = m.mla
+        q = ([(a.q_lora_rank, D), (a.q_lora_rank,), (H * a.qk_head_dim, a.q_lora_rank)] if a.q_lora_rank
+             else [(H * a.qk_head_dim, D)])
+        return q + [(a.kv_lora_rank + a.qk_rope_head_dim, D), (a.kv_lora_rank,),
+                    (H * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank), (D, H * a.v_head_dim)]
+    G, Dh = m.kv_heads // tp, m.dim_head
+    shapes = [(H * Dh, D), (G * Dh, D), (G * Dh, D), (D, H * Dh)]
+    if m.bias or m.attention_bias != "none":
+        shapes += [(H * Dh,), (G * Dh,), (G * Dh,)]
+    if m.bias or m.attention_bias == "all":
+        shapes.append((D,))
+    if m.attention_sinks:
+        shapes.append((H,))
+    if m.qk_norm != "none":
+        shapes += [(H * Dh,), (G * Dh,)] if m.qk_norm == "projection" else [(Dh,), (Dh,)]
+    return shapes
 
 
 def _control(p: ParallelConfig) -> list[Traffic]:

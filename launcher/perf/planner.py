@@ -344,7 +344,10 @@ def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, ac
     K = m.moe.top_k if m.moe.enabled else 1
     F = m.d_expert_ff if m.moe.enabled else m.d_ff
     d_split = par.tp if par.sequence_parallel else 1
-    per_layer = (14 * m.d_model / d_split + 4 * (m.n_heads + m.kv_heads) * m.dim_head / par.tp
+    # MLA rotates only each query head's rope part and the one shared rope key.
+    rotary = (4 * (m.n_heads / par.tp + 1) * m.mla.qk_rope_head_dim if m.mla.enabled
+              else 4 * (m.n_heads + m.kv_heads) * m.dim_head / par.tp)
+    per_layer = (14 * m.d_model / d_split + rotary
                  + 3 * K * F / (par.etp if m.moe.enabled else par.tp) + 4 * K * m.d_model)
     passes = 3 + (1 if ac else 0)
     layer_bytes = passes * per_layer * act_bytes * rank_tokens * m.n_layers / par.pp

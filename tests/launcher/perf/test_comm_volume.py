@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from moetron.launcher.perf.comm_volume import by_kind, predict_step
-from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
 from moetron.parallel.config import ParallelConfig
 
 MODEL = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
@@ -31,6 +31,19 @@ def test_tensor_parallel_all_reduces_activations_and_loss():
     loss = 3 * 2 * (256 * 4)
     assert got["all_reduce"] == {"calls": 12 + 6 + CONTROL_CALLS, "bytes": activations + loss + CONTROL_BYTES}
     assert got["all_to_all"]["calls"] == got["all_gather"]["calls"] == got["p2p"]["calls"] == 0
+
+
+def test_tensor_parallel_mla_all_reduces_its_latents_gradients_instead_of_the_inputs():
+    # MLA (q latent 24, kv latent 32, rope key 8): the down projections are whole on each tp rank,
+    # so attention's input gradient needs no all-reduce; the three latents' gradients do, per layer.
+    mla = MLAConfig(kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    got = by_kind(predict_step(replace(MODEL, n_kv_heads=None, mla=mla), ParallelConfig(tp=2), batch=8, seq_len=32))
+    activations = 4 * 2 * (256 * 64 * 4)  # attention out (fwd) of 2 layers, embedding, head input
+    latents = 2 * 2 * 256 * (24 + 32 + 8) * 4
+    loss = 3 * 2 * (256 * 4)
+    # bench/comm_volume.py --layouts tp2_mla measures 32 calls and these bytes (+8: its control count).
+    assert got["all_reduce"] == {"calls": 8 + 12 + 6 + CONTROL_CALLS,
+                                 "bytes": activations + latents + loss + CONTROL_BYTES}
 
 
 def test_sequence_parallel_gathers_and_scatters_instead():
