@@ -77,6 +77,12 @@ LAYOUTS = {
     "tp2_sp_mla": ["parallel.tp=2", "parallel.sequence_parallel=true", *MLA],
     "tp2_mla_no_q_latent": ["parallel.tp=2", *MLA, "model.mla.q_lora_rank=0"],
     "cp2_mla": ["parallel.cp=2", *MLA],
+    # Multi-token prediction: one more block, its projection and norms, and the head once more.
+    "tp2_mtp": ["parallel.tp=2", "model.mtp_depth=1"],
+    "tp2_sp_mtp": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.mtp_depth=1"],
+    "dp2_ddp_mtp": ["parallel.dp=2", "parallel.dp_mode=ddp", "model.mtp_depth=1"],
+    "ep2_mtp": ["parallel.dp=2", "parallel.ep=2", "model.mtp_depth=1"],
+    "pp2_mtp": ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b", "model.mtp_depth=1"],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
 
