@@ -2,7 +2,16 @@
 
 # The daemons start.sh runs, in the order it starts them, as NAME:PIDFILE (in run/). slurmctld forks
 # a sixth, slurmscriptd, which has no pid file of its own and ends with slurmctld.
-SLURM_DAEMONS=(munged:munged.pid mariadbd:mariadb.pid slurmdbd:slurmdbd.pid slurmctld:slurmctld.pid slurmd:slurmd.pid)
+SLURM_DAEMONS=(munged:munged.pid mariadbd:mariadb.pid slurmdbd:slurmdbd.pid slurmctld:slurmctld.pid)
+# A cluster of several nodes on this machine (MOETRON_SLURM_NODES) runs one slurmd per node, each
+# with its own pid file; etc/nodes names them.
+if [[ -s "${root:-}/etc/nodes" ]]; then
+    while read -r node; do
+        SLURM_DAEMONS+=("slurmd:slurmd-$node.pid")
+    done <"$root/etc/nodes"
+else
+    SLURM_DAEMONS+=(slurmd:slurmd.pid)
+fi
 
 # alive_as PID NAME: PID is a live process named NAME. Zombies linger a few seconds after exit here,
 # so /proc/PID existing does not mean the daemon still runs; a recycled pid has another name.

@@ -19,10 +19,18 @@
 #
 # Ports: MOETRON_SLURM_PORT (default 6817) for slurmctld, then +1 slurmd, +2 slurmdbd, +3 MariaDB.
 # MOETRON_SLURM_CPUS declares more CPUs than the machine has (e.g. 4 ranks on 2 cores).
+#
+# MOETRON_SLURM_NODES=N (N > 1, on a cold start) makes it a cluster of N nodes n1..nN on this one
+# machine, one slurmd each (`slurmd -N n1`; this Slurm build runs several), listening on ports +4,
+# +5, ... and each with the machine's CPUs; etc/nodes names them for stop.sh and status.sh. A node
+# is declared down 10 s after its slurmd stops answering (SlurmdTimeout; Slurm's default is 300),
+# so that losing one can be tried. The node names do not resolve: jobs that need their master's
+# address must be given MASTER_ADDR=127.0.0.1.
 set -euo pipefail
 
 root="${MOETRON_SLURM_HOME:-/tmp/moetron-slurm}"
 port="${MOETRON_SLURM_PORT:-6817}"
+node_count="${MOETRON_SLURM_NODES:-1}"
 ctld_port=$port
 slurmd_port=$((port + 1))
 dbd_port=$((port + 2))
@@ -115,6 +123,21 @@ write_config() {
         overrides="SlurmdParameters=config_overrides"
     fi
 
+    per_node=""  # the slurmd files of each node, when there are several: %n is its name
+    if ((node_count > 1)); then
+        per_node="-%n"
+        node_line="$(grep -o 'CPUs=[0-9]*' <<<"$node_line") $(grep -o 'RealMemory=[0-9]*' <<<"$node_line")"
+        node_line="$(for ((i = 1; i <= node_count; i++)); do
+            echo "NodeName=n$i NodeHostname=$host NodeAddr=127.0.0.1 Port=$((port + 3 + i)) $node_line State=UNKNOWN"
+        done)"
+        overrides="$overrides
+SlurmdTimeout=10"
+        seq -f 'n%g' "$node_count" >"$root/etc/nodes"
+    else
+        node_line="$node_line State=UNKNOWN"
+        rm -f "$root/etc/nodes"
+    fi
+
     cat >"$conf" <<EOF
 # Written by slurm/start.sh; rewritten on every cold start.
 ClusterName=$cluster
@@ -128,11 +151,11 @@ CredType=cred/munge
 # A requeued job may start again only once its credential expired: 10 s instead of 120 s.
 AuthInfo=socket=$munge_socket,cred_expire=10
 StateSaveLocation=$root/spool/ctld
-SlurmdSpoolDir=$root/spool/d
+SlurmdSpoolDir=$root/spool/d${per_node}
 SlurmctldPidFile=$root/run/slurmctld.pid
-SlurmdPidFile=$root/run/slurmd.pid
+SlurmdPidFile=$root/run/slurmd${per_node}.pid
 SlurmctldLogFile=$root/log/slurmctld.log
-SlurmdLogFile=$root/log/slurmd.log
+SlurmdLogFile=$root/log/slurmd${per_node}.log
 # No cgroups in containers: track processes through /proc and bind no tasks.
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
@@ -155,7 +178,7 @@ AccountingStorageHost=127.0.0.1
 AccountingStoragePort=$dbd_port
 AccountingStoragePass=$munge_socket
 JobAcctGatherType=jobacct_gather/none
-$node_line State=UNKNOWN
+$node_line
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30
 PartitionName=urgent Nodes=ALL MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
@@ -230,14 +253,25 @@ if ! alive "$root/run/slurmctld.pid" slurmctld; then
     slurmctld 9>&- >>"$root/log/slurmctld.log" 2>&1 || { tail -n 20 "$root/log/slurmctld.log" >&2; die "slurmctld failed to start"; }
 fi
 
-if ! alive "$root/run/slurmd.pid" slurmd; then
+if [[ -s "$root/etc/nodes" ]]; then
+    while read -r node; do
+        if ! alive "$root/run/slurmd-$node.pid" slurmd; then
+            slurmd -N "$node" 9>&- >>"$root/log/slurmd-$node.log" 2>&1 ||
+                { tail -n 20 "$root/log/slurmd-$node.log" >&2; die "slurmd -N $node failed to start"; }
+        fi
+    done <"$root/etc/nodes"
+elif ! alive "$root/run/slurmd.pid" slurmd; then
     slurmd 9>&- >>"$root/log/slurmd.log" 2>&1 || { tail -n 20 "$root/log/slurmd.log" >&2; die "slurmd failed to start"; }
 fi
 
 node_idle() {
-    local state
-    state="$(sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1)"
-    [[ "$state" == idle || "$state" == mixed || "$state" == allocated ]]
+    local states
+    if [[ -s "$root/etc/nodes" ]]; then
+        states="$(sinfo -h -N -o %T 2>/dev/null)"
+    else
+        states="$(sinfo -h -N -n "$host" -o %T 2>/dev/null | head -n 1)"
+    fi
+    [[ -n "$states" ]] && ! grep -qvE '^(idle|mixed|allocated)$' <<<"$states"
 }
 wait_for "$root/log/slurmctld.log" 60 "node $host" node_idle
 

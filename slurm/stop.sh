@@ -58,7 +58,11 @@ if [[ -n "$(live_pid "$run/slurmctld.pid" slurmctld)" ]]; then
     fi
 fi
 
-stop_daemon slurmd.pid slurmd 10
+for entry in "${SLURM_DAEMONS[@]}"; do
+    if [[ "${entry%%:*}" == slurmd ]]; then
+        stop_daemon "${entry#*:}" slurmd 10
+    fi
+done
 # slurmctld ends its slurmscriptd itself; should that one outlive it, it is stopped too.
 scriptd="$(scriptd_pid "$(live_pid "$run/slurmctld.pid" slurmctld)")"
 stop_daemon slurmctld.pid slurmctld 10

@@ -34,9 +34,27 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from moetron.launcher.cluster.bootstrap import detect_rank
-    from moetron.launcher.config import load_config
+    try:
+        return _run(args)
+    except Exception as e:
+        from moetron.launcher.cli.main import is_user_error
+        from moetron.launcher.cluster.elastic import stop_agent_at_exit
 
+        # Refused for a reason a restart would meet again (a config, a world too small for any
+        # layout): under torchrun, this node's agent stops instead of restarting the ranks.
+        if is_user_error(e):
+            stop_agent_at_exit()
+        raise
+
+
+def _run(args) -> int:
+    from moetron.launcher.cluster.bootstrap import detect_rank
+    from moetron.launcher.cluster.elastic import restart_problem
+    from moetron.launcher.config import ConfigError, load_config
+
+    problem = restart_problem()  # said at the start, not at the first restart
+    if problem:
+        raise ConfigError(problem)
     info = detect_rank()
     overrides, choice = list(args.overrides), None
     if args.layout == "auto":

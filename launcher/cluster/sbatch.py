@@ -24,6 +24,9 @@ FIELDS: dict[str, Any] = {
     "job_name": ...,
     "command": ...,
     "nodes": 1,
+    # With nodes, the range MIN-MAX: Slurm starts the job on as many nodes as are up, at least this
+    # many, and when one fails the script starts the ranks again on the others (slurm/moetron.sbatch).
+    "min_nodes": None,
     "tasks_per_node": 1,
     "gpus_per_node": None,
     "cpus_per_task": None,
@@ -34,6 +37,7 @@ FIELDS: dict[str, Any] = {
     "constraint": None,
     "exclusive": False,
     "requeue": None,  # default: True when requeue_limit > 0, since `scontrol requeue` needs it
+    "no_kill": None,  # default: True with min_nodes: a failed node leaves the job the others
     "requeue_limit": 0,
     "signal_seconds": None,
     "output": "%x-%j.out",
@@ -42,7 +46,8 @@ FIELDS: dict[str, Any] = {
 }
 
 # Values that reach sbatch as numbers must be positive (or zero where that means "none").
-_MIN = {"nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "requeue_limit": 0, "signal_seconds": 1}
+_MIN = {"nodes": 1, "min_nodes": 1, "tasks_per_node": 1, "gpus_per_node": 0, "cpus_per_task": 1, "requeue_limit": 0,
+        "signal_seconds": 1}
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^(UNLIMITED|INFINITE)$")
 
 
@@ -66,7 +71,11 @@ def render_sbatch(values: Mapping[str, Any], template: Optional[str] = None) -> 
         raise SbatchError(f"sbatch field(s) {', '.join(missing)} must be set")
     if filled["requeue"] is None:
         filled["requeue"] = filled["requeue_limit"] > 0
+    if filled["no_kill"] is None:
+        filled["no_kill"] = filled["min_nodes"] is not None
     _check(filled)
+    if filled["min_nodes"] is not None:
+        filled["nodes"] = f"{filled['min_nodes']}-{filled['nodes']}"
     return render(template if template is not None else template_text(), filled)
 
 
@@ -108,7 +117,9 @@ def _check(values: Mapping[str, Any]) -> None:
             raise SbatchError(f"sbatch field {name}={value!r} must be an integer >= {low}")
         if value < low:
             raise SbatchError(f"sbatch field {name}={value} must be >= {low}")
-    for name in ("exclusive", "requeue"):
+    if values["min_nodes"] is not None and values["min_nodes"] > values["nodes"]:
+        raise SbatchError(f"sbatch field min_nodes={values['min_nodes']} must be at most nodes={values['nodes']}")
+    for name in ("exclusive", "requeue", "no_kill"):
         if not isinstance(values[name], bool):
             raise SbatchError(f"sbatch field {name}={values[name]!r} must be true or false")
     time = values["time"]

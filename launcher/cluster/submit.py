@@ -60,6 +60,13 @@ class Submission:
     config_yaml: str
     tasks: int
     tasks_per_node: int
+    min_nodes: int  # = the allocation's nodes unless the job may run on fewer
+
+    @property
+    def nodes_text(self) -> str:
+        """The node count as sbatch's --nodes reads it: N, or MIN-MAX."""
+        nodes = self.tasks // self.tasks_per_node
+        return f"{self.min_nodes}-{nodes}" if self.min_nodes < nodes else str(nodes)
 
     @property
     def folder(self) -> Path:
@@ -170,8 +177,12 @@ def resolve_for_job(cfg: Config, slurm: SlurmConfig, cwd: Path) -> Config:
     return config_from_dict(data)
 
 
-def build_submission(cfg: Config, slurm: SlurmConfig, *, cwd: Path, python: str = sys.executable) -> Submission:
-    """Check the layout and limits, and render the batch script of `cfg` on the allocation `slurm`."""
+def build_submission(cfg: Config, slurm: SlurmConfig, *, cwd: Path, python: str = sys.executable,
+                     min_nodes: Optional[int] = None, train_args: tuple[str, ...] = ()) -> Submission:
+    """Check the layout and limits, and render the batch script of `cfg` on the allocation `slurm`.
+    `min_nodes` (below slurm.nodes): the job may start, and after a lost node requeue, on fewer
+    nodes, down to this many; `cfg`'s layout is then the one for slurm.nodes, and `train_args`
+    (`--layout auto …`) plan another at every start. `train_args` follow the training command."""
     per_node = tasks_per_node(cfg.parallel.world_size, slurm.nodes, slurm.gpus_per_node)
     limit = slurm_seconds(slurm.time)
     if limit is not None and slurm.signal_seconds >= limit:
@@ -182,12 +193,13 @@ def build_submission(cfg: Config, slurm: SlurmConfig, *, cwd: Path, python: str 
     resolved = resolve_for_job(cfg, slurm, cwd)
     run_path = Path(resolved.train.run_dir) / resolved.run_name
     folder = run_path / SLURM_FOLDER
-    command = [python, "-m", "moetron", "train", str(folder / RESOLVED_CONFIG)]
+    command = [python, "-m", "moetron", "train", str(folder / RESOLVED_CONFIG), *train_args]
     try:
         script = render_sbatch({
             "job_name": resolved.run_name,
             "command": command,
             "nodes": slurm.nodes,
+            "min_nodes": min_nodes if min_nodes is not None and min_nodes < slurm.nodes else None,
             "tasks_per_node": per_node,
             "gpus_per_node": slurm.gpus_per_node or None,
             "cpus_per_task": slurm.cpus_per_task,
@@ -205,7 +217,8 @@ def build_submission(cfg: Config, slurm: SlurmConfig, *, cwd: Path, python: str 
     except SbatchError as e:
         raise SlurmError(str(e)) from None
     config_yaml = yaml.safe_dump(resolved.to_dict(), sort_keys=False)
-    return Submission(resolved, run_path, script, config_yaml, slurm.nodes * per_node, per_node)
+    return Submission(resolved, run_path, script, config_yaml, slurm.nodes * per_node, per_node,
+                      min_nodes if min_nodes is not None else slurm.nodes)
 
 
 def check_run_folder(cfg: Config, active_jobs: Callable[[Path], list[str]]) -> None:
@@ -246,6 +259,7 @@ def record_job(sub: Submission, job_id: str, slurm: SlurmConfig) -> None:
     """Append the job to <run>/slurm/jobs.jsonl, which `moetron status RUN` reads."""
     entry = {
         "job": job_id, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S"), "nodes": slurm.nodes,
+        **({"min_nodes": sub.min_nodes} if sub.min_nodes < slurm.nodes else {}),
         "tasks": sub.tasks, "gpus_per_node": slurm.gpus_per_node, "partition": slurm.partition,
         "time": slurm.time, "requeue_limit": slurm.requeue_limit, "user": os.environ.get("USER"),
     }

@@ -14,11 +14,12 @@ layout the trainer refuses. Its cost, by named part:
              prefetched), expert parallelism's send and receive rows. It fits when the total is
              at most MEMORY_HEADROOM of the device (allocator fragmentation, the CUDA context).
   compute    the FLOPs of the most loaded rank — dense work split by dp × cp × tp × pp, routed
-             experts by dp × cp × pp × etp (replicated over tp when etp = 1), the LM head on the
-             last stage, ×4/3 for the recomputed forward under full activation checkpointing
-             (selective recomputes no matmul, only the elementwise work) — at the profile's
-             sustained matmul rate, plus a fixed cost per block and chunk (×1.5 under full
-             checkpointing, ×1.2 under selective: the regions replayed in backward).
+             experts by dp × cp × pp × etp (replicated over tp when etp = 1), the LM head and the
+             multi-token-prediction modules (split by tp) on the last stage, ×4/3 for the
+             recomputed forward under full activation checkpointing (selective recomputes no
+             matmul, only the elementwise work) — at the profile's sustained matmul rate,
+             plus a fixed cost per block and chunk (×1.5 under full checkpointing, ×1.2 under
+             selective: the regions replayed in backward).
   comm       `parallel.comm_volume.predict_step`'s collectives, each at the bus bandwidth (of
              its kind, where the profile tells kinds apart) and latency of the link its group
              spans: a group of consecutive ranks inside one node (TP, EP, CP laid out innermost)
@@ -265,18 +266,21 @@ def _activation_bytes(cfg: Config) -> int:
 
 def _compute(cfg: Config, layout: Layout, profile: DeviceProfile) -> tuple[float, float, float]:
     """(FLOPs, their seconds, the fixed per-block overhead's seconds) on the most loaded rank: the
-    last pipeline stage, which also holds the head."""
+    last pipeline stage, which also holds the head and the MTP modules (their blocks too)."""
     m, t, par = cfg.model, cfg.train, layout.parallel
     ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
     chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
     comp = flops_by_component(m, t.seq_len, causal=m.attention != "eager")
     rank_tokens = t.batch_size * t.seq_len / (par.dp * par.cp)
     experts = comp["experts"] / par.etp
-    layers = (sum(v for k, v in comp.items() if k not in ("experts", "lm_head")) / par.tp + experts) / par.pp
+    layers = (sum(v for k, v in comp.items() if k not in ("experts", "lm_head", "mtp")) / par.tp + experts) / par.pp
     recompute = 4 / 3 if ac else 1.0
-    flops_rank = rank_tokens * (layers * recompute + comp["lm_head"] / par.tp)
+    # MTP runs whole on the last stage (parallel/pipeline.py), not a 1/pp share of every stage;
+    # recomputed like a layer (its eh_proj and head pass too: a small overstatement).
+    flops_rank = rank_tokens * ((layers + comp["mtp"] / par.tp) * recompute + comp["lm_head"] / par.tp)
     compute_s = flops_rank / (profile.peak_flops * profile.matmul_efficiency)
-    overhead_s = profile.block_overhead * (m.n_layers / par.pp) * chunks * (1.5 if ac else 1.2 if sac else 1.0)
+    blocks = m.n_layers / par.pp + m.mtp_depth
+    overhead_s = profile.block_overhead * blocks * chunks * (1.5 if ac else 1.2 if sac else 1.0)
     return flops_rank, compute_s, overhead_s
 
 
@@ -350,7 +354,8 @@ def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, ac
     per_layer = (14 * m.d_model / d_split + rotary
                  + 3 * K * F / (par.etp if m.moe.enabled else par.tp) + 4 * K * m.d_model)
     passes = 3 + (1 if ac else 0)
-    layer_bytes = passes * per_layer * act_bytes * rank_tokens * m.n_layers / par.pp
+    # The last stage's blocks: its share of the decoder's and every MTP depth's.
+    layer_bytes = passes * per_layer * act_bytes * rank_tokens * (m.n_layers / par.pp + m.mtp_depth)
     return layer_bytes + 2 * (mem["weights"] + mem["grads"] + mem["optimizer"])
 
 

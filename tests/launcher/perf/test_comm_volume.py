@@ -199,3 +199,70 @@ def test_the_global_batch_loss_all_reduces_route_counts_per_moe_layer_and_micro_
     assert got["all_reduce"]["bytes"] - base["all_reduce"]["bytes"] == calls * 8 * 8  # E float64 counts
     one = by_kind(predict_step(model, ParallelConfig(), batch=8, seq_len=32, grad_accum=2))
     assert one == by_kind(predict_step(MODEL, ParallelConfig(), batch=8, seq_len=32, grad_accum=2))
+
+
+# Multi-token prediction, depth 1: one more block (layer 2, MoE like the others), eh_proj (64 × 128)
+# and three norms, the embedding and the head once more, a loss over the 31 positions with a target.
+MTP = replace(MODEL, mtp_depth=1)
+BLOCK = 2 * 64 + 64 * 64 + 2 * (32 * 64) + 64 * 64 + 8 * 64  # norms, q, k, v, o, router
+EXPERTS = 3 * 8 * 64 * 64
+MTP_ROOT = 3 * 64 + 64 * 128  # enorm, hnorm, norm, eh_proj: what no child unit holds
+
+
+def predict_mtp(**layout):
+    return by_kind(predict_step(MTP, ParallelConfig(**layout), batch=8, seq_len=32))
+
+
+def test_tensor_parallel_with_mtp_adds_a_block_an_embedding_and_a_head_site_and_a_shorter_loss():
+    """bench/comm_volume.py --layouts tp2_mtp measures 38 calls and these bytes (+8: its control count)."""
+    got = predict_mtp(tp=2)
+    # Attention in and out of 3 blocks, 2 lookups of the embedding (fwd), 2 head inputs (bwd).
+    activations = 10 * 2 * (256 * 64 * 4)
+    # The main loss over 8 × 32 positions, depth 1's over the 8 × 31 that have a target.
+    loss = 3 * 2 * (8 * 32 * 4) + 3 * 2 * (8 * 31 * 4)
+    assert got["all_reduce"] == {"calls": 20 + 6 + 6 + CONTROL_CALLS, "bytes": activations + loss + CONTROL_BYTES}
+
+
+def test_sequence_parallel_with_mtp_reduces_its_replicated_parts_gradients():
+    """bench/comm_volume.py --layouts tp2_sp_mtp measures these calls and bytes."""
+    got = predict_mtp(tp=2, sequence_parallel=True)
+    full = 256 * 64 * 4
+    # per block (3): attention in (fwd) and out (bwd), the MoE input and output grad; 2 head inputs
+    # (fwd) and 2 embedding output grads (bwd)
+    assert got["all_gather"] == {"calls": 2 * (3 * 4 + 4), "bytes": 2 * 16 * full}
+    # per block: attention out (fwd) and in (bwd); 2 embeddings (fwd), 2 head inputs (bwd)
+    assert got["reduce_scatter"] == {"calls": 2 * 10, "bytes": 2 * 10 * full}
+    # 6 block norms + final + enorm, hnorm, norm = 10 gains, eh_proj; both losses; control
+    loss = 3 * 2 * (8 * 32 * 4) + 3 * 2 * (8 * 31 * 4)
+    assert got["all_reduce"] == {"calls": 2 * 10 + 2 + 12 + CONTROL_CALLS,
+                                 "bytes": 2 * 10 * 64 * 4 + 2 * 64 * 128 * 4 + loss + CONTROL_BYTES}
+
+
+def test_ddp_with_mtp_all_reduces_its_block_and_the_root():
+    """bench/comm_volume.py --layouts dp2_ddp_mtp measures these calls and bytes (+8: control)."""
+    got = predict_mtp(dp=2, dp_mode="ddp")
+    total = 3 * (BLOCK + EXPERTS) + 320 * 64 + 64 + 320 * 64 + MTP_ROOT
+    assert got["all_reduce"] == {"calls": 2 * 6 + CONTROL_CALLS, "bytes": 2 * total * 4 + CONTROL_BYTES}
+
+
+def test_fsdp_with_mtp_gathers_the_embedding_and_the_head_again():
+    """bench/comm_volume.py --layouts ep2_mtp measures these calls and bytes (the experts sit on
+    1-rank groups; the all-to-alls count the MTP block as a third MoE layer)."""
+    got = predict_mtp(dp=2, ep=2)
+    embed, tail = 320 * 64, 64 + 320 * 64
+    # Per rank: 3 blocks twice, the root once (kept for backward), the embedding for the main
+    # lookup, depth 1's and backward, the head group twice in forward (main, depth 1) and three
+    # times in backward (the first output's gradient, the main logits', the decoder's router losses').
+    gathered = 3 * 2 * BLOCK + MTP_ROOT + 3 * embed + 5 * tail
+    assert got["all_gather"] == {"calls": 2 * (6 + 1 + 3 + 5), "bytes": 2 * gathered * 4}
+    assert got["reduce_scatter"] == {"calls": 2 * 6, "bytes": 2 * (3 * BLOCK + MTP_ROOT + embed + tail) * 4}
+    assert got["all_to_all"] == {"calls": 2 * 3 * 5, "bytes": 2 * 3 * (4 * 256 * 64 * 4 + 8 * 8)}
+
+
+def test_pipeline_with_mtp_sends_the_token_ids_and_sums_the_embedding_copies():
+    """bench/comm_volume.py --layouts pp2_mtp measures these calls and bytes (+8: control)."""
+    got = predict_mtp(pp=2, microbatches=2)
+    # Per micro-batch of 4 × 32 tokens: activations forward, their gradient back, the ids forward.
+    assert got["p2p"] == {"calls": 2 * 3, "bytes": 2 * (2 * 4 * 32 * 64 * 4 + 4 * 32 * 8)}
+    # The first stage's embedding gradient and the last stage's copy's, all-reduced by the pair.
+    assert got["all_reduce"] == {"calls": 2 + CONTROL_CALLS, "bytes": 2 * 320 * 64 * 4 + CONTROL_BYTES}
