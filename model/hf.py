@@ -400,11 +400,11 @@ def read_from_hf(folder: HFFolder, cfg: ModelConfig, plan: dict[str, torch.Tenso
             yield "head.weight", tensor
 
 
-def folder_config(hf_cfg: dict[str, Any], keys: set[str]) -> ModelConfig:
-    """The ModelConfig of a folder's config.json, given the tensors it holds: a DeepSeek-V3 folder
-    whose config counts multi-token-prediction layers but holds none of their tensors (what
-    transformers' save_pretrained writes: it neither loads nor saves them) converts without them."""
-    cfg = config_from_hf(hf_cfg)
+def folder_config(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
+    """A folder's ModelConfig (`config_from_hf` of its config.json), given the tensors it holds: a
+    DeepSeek-V3 folder whose config counts multi-token-prediction layers but holds none of their
+    tensors (what transformers' save_pretrained writes: it neither loads nor saves them) converts
+    without them."""
     if cfg.mtp_depth and not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in keys):
         return cfg.replace(mtp_depth=0)
     return cfg
@@ -414,8 +414,9 @@ def load_hf(hf_dir: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:
     """Build a Decoder from a Hugging Face folder (config.json + safetensors, sharded or not) of a
     family `known_families()` lists. `dtype` defaults to the checkpoint's."""
     hf_cfg = read_hf_config(hf_dir)
+    cfg = config_from_hf(hf_cfg)  # an unknown family is refused before the files are looked at
     folder = HFFolder(hf_dir)
-    cfg = folder_config(hf_cfg, folder.keys())
+    cfg = folder_config(cfg, folder.keys())
     try:
         dtype = dtype or hf_dtype(hf_cfg, folder)
         plan = plan_from_hf(folder, cfg, dtype)

@@ -37,6 +37,7 @@ from moetron.launcher.checkpoint.weights import (
 )
 from moetron.model.hf import (
     Weights,
+    config_from_hf,
     folder_config,
     hf_dtype,
     hf_problems,
@@ -130,8 +131,9 @@ def from_hf(src: Path, out: Path, *, dtype: torch.dtype | None = None,
     ValueError (one line) for a folder that cannot convert, before anything is written.
     → (parameters, dtype)."""
     hf_cfg = read_hf_config(src)
+    cfg = config_from_hf(hf_cfg)  # an unknown family is refused before the files are looked at
     folder = HFFolder(src)
-    cfg = folder_config(hf_cfg, folder.keys())
+    cfg = folder_config(cfg, folder.keys())
     try:
         dtype = dtype or hf_dtype(hf_cfg, folder)
         plan = plan_from_hf(folder, cfg, dtype)

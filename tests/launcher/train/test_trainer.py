@@ -303,7 +303,7 @@ def test_the_expert_bias_update_runs_once_per_optimizer_step_even_when_steps_nes
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # wraps AdamW.step with the hooks
     p = torch.nn.Parameter(torch.ones(2))
     opt = Nested([p])
-    cfg = SimpleNamespace(model=SimpleNamespace(n_layers=1, moe=SimpleNamespace(num_experts=2)))
+    cfg = SimpleNamespace(model=SimpleNamespace(n_layers=1, mtp_depth=0, moe=SimpleNamespace(num_experts=2)))
     trainer.ExpertBiasUpdate(SimpleNamespace(modules=[], mesh=None), cfg, torch.device("cpu")).register(opt)
     for _ in range(3):
         p.grad = torch.ones(2)
