@@ -521,6 +521,11 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
         out.append(("parallel.etp", p.etp, f"must divide the expert hidden size ({m.d_expert_ff})"))
     if p.pp > 1 and m.tie_embeddings:
         out.append(("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) with parallel.pp > 1"))
+    elif p.dp * p.cp > 1 and m.tie_embeddings:
+        # Materializing the sharded model from meta unties the two (each gets its own tensor), and
+        # FSDP refuses one parameter in two groups: refused until both are handled.
+        out.append(("model.tie_embeddings", True, "is not supported with data or context parallelism "
+                    "(parallel.dp × parallel.cp > 1) yet; set it to false"))
     if p.pp > 1 and m.position == "t5":
         out.append(("model.position", "t5", "T5's bias table is shared by every layer, so it cannot be split "
                     "between pipeline stages (parallel.pp > 1)"))

@@ -51,6 +51,7 @@ def test_round_trip_through_plain_data():
     (["parallel.ep=3", "parallel.dp=3", "train.batch_size=24"], "parallel.ep = 3: must divide model.moe.num_experts (8)"),
     (["train.precision=fp8"], "must be one of auto, fp32, bf16"),
     (["train.steps"], "expected key=value"),
+    (["model.tie_embeddings=true", "parallel.dp=2"], "model.tie_embeddings = True: is not supported with data or context"),
 ])
 def test_bad_input_names_key_value_and_rule(override, expected):
     with pytest.raises(ConfigError) as e:
