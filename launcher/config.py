@@ -476,6 +476,20 @@ def _mtp_problems(cfg: Config) -> list[Problem]:
     return out
 
 
+def _tied_embedding_problems(m, p) -> list[Problem]:
+    if not m.tie_embeddings:
+        return []
+    if p.pp > 1:
+        return [("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) "
+                 "with parallel.pp > 1")]
+    if p.dp * p.cp > 1:
+        # Materializing the sharded model from meta unties the two (each gets its own tensor), and
+        # FSDP refuses one parameter in two groups: refused until both are handled.
+        return [("model.tie_embeddings", True, "is not supported with data or context parallelism "
+                 "(parallel.dp × parallel.cp > 1) yet; set it to false")]
+    return []
+
+
 def _cross_section_problems(cfg: Config) -> list[Problem]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     out: list[Problem] = []
@@ -519,13 +533,7 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
                     f"/ parallel.cp ({p.cp}) must be divisible by parallel.tp ({p.tp}) with sequence_parallel"))
     if p.etp > 1 and m.moe.enabled and m.d_expert_ff % p.etp:
         out.append(("parallel.etp", p.etp, f"must divide the expert hidden size ({m.d_expert_ff})"))
-    if p.pp > 1 and m.tie_embeddings:
-        out.append(("model.tie_embeddings", True, "cannot tie the embedding (first stage) to the head (last stage) with parallel.pp > 1"))
-    elif p.dp * p.cp > 1 and m.tie_embeddings:
-        # Materializing the sharded model from meta unties the two (each gets its own tensor), and
-        # FSDP refuses one parameter in two groups: refused until both are handled.
-        out.append(("model.tie_embeddings", True, "is not supported with data or context parallelism "
-                    "(parallel.dp × parallel.cp > 1) yet; set it to false"))
+    out += _tied_embedding_problems(m, p)
     if p.pp > 1 and m.position == "t5":
         out.append(("model.position", "t5", "T5's bias table is shared by every layer, so it cannot be split "
                     "between pipeline stages (parallel.pp > 1)"))
