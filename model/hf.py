@@ -400,23 +400,23 @@ def read_from_hf(folder: HFFolder, cfg: ModelConfig, plan: dict[str, torch.Tenso
             yield "head.weight", tensor
 
 
-def folder_config(cfg: ModelConfig, keys: set[str]) -> ModelConfig:
-    """A folder's ModelConfig (`config_from_hf` of its config.json), given the tensors it holds: a
-    DeepSeek-V3 folder whose config counts multi-token-prediction layers but holds none of their
-    tensors (what transformers' save_pretrained writes: it neither loads nor saves them) converts
-    without them."""
-    if cfg.mtp_depth and not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in keys):
-        return cfg.replace(mtp_depth=0)
-    return cfg
+def open_hf_folder(hf_dir: str | Path) -> tuple[dict[str, Any], ModelConfig, HFFolder]:
+    """(config.json, its ModelConfig, the open folder; close it) of a Hugging Face folder. An unknown
+    family is refused before the files are looked at. A DeepSeek-V3 folder whose config counts
+    multi-token-prediction layers but holds none of their tensors (what transformers' save_pretrained
+    writes: it neither loads nor saves them) converts without them."""
+    hf_cfg = read_hf_config(hf_dir)
+    cfg = config_from_hf(hf_cfg)
+    folder = HFFolder(hf_dir)
+    if cfg.mtp_depth and not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in folder.keys()):
+        cfg = cfg.replace(mtp_depth=0)
+    return hf_cfg, cfg, folder
 
 
 def load_hf(hf_dir: str | Path, *, dtype: torch.dtype | None = None) -> Decoder:
     """Build a Decoder from a Hugging Face folder (config.json + safetensors, sharded or not) of a
     family `known_families()` lists. `dtype` defaults to the checkpoint's."""
-    hf_cfg = read_hf_config(hf_dir)
-    cfg = config_from_hf(hf_cfg)  # an unknown family is refused before the files are looked at
-    folder = HFFolder(hf_dir)
-    cfg = folder_config(cfg, folder.keys())
+    hf_cfg, cfg, folder = open_hf_folder(hf_dir)
     try:
         dtype = dtype or hf_dtype(hf_cfg, folder)
         plan = plan_from_hf(folder, cfg, dtype)

@@ -37,17 +37,14 @@ from moetron.launcher.checkpoint.weights import (
 )
 from moetron.model.hf import (
     Weights,
-    config_from_hf,
-    folder_config,
     hf_dtype,
     hf_problems,
+    open_hf_folder,
     plan_from_hf,
     plan_to_hf,
     read_from_hf,
-    read_hf_config,
     write_hf,
 )
-from moetron.model.hf_files import HFFolder
 
 OnTensor = Callable[[int], None]
 
@@ -130,10 +127,7 @@ def from_hf(src: Path, out: Path, *, dtype: torch.dtype | None = None,
     the conversion is checked and may return `on_tensor(bytes)`, called after each tensor read.
     ValueError (one line) for a folder that cannot convert, before anything is written.
     → (parameters, dtype)."""
-    hf_cfg = read_hf_config(src)
-    cfg = config_from_hf(hf_cfg)  # an unknown family is refused before the files are looked at
-    folder = HFFolder(src)
-    cfg = folder_config(cfg, folder.keys())
+    hf_cfg, cfg, folder = open_hf_folder(src)
     try:
         dtype = dtype or hf_dtype(hf_cfg, folder)
         plan = plan_from_hf(folder, cfg, dtype)
