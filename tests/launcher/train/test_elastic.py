@@ -28,6 +28,9 @@ from moetron.launcher.cluster.elastic import restart_problem, stop_agent_at_exit
 from moetron.launcher.perf.device_profiles import DeviceProfile, save_profile
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from elastic_recovery import descendants, losses  # noqa: E402  (the bench kills and reads runs the same way)
 WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS = 10
 # A global batch of 12 rows divides among 1, 2, 3 and 4 ranks; a checkpoint every 2 steps.
@@ -121,29 +124,6 @@ class Nodes:
             self.kill(name)
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.folder.glob("*.log")))
         pytest.fail(f"{why}\n{logs}", pytrace=False)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process under `pid`, from /proc (torchrun starts its ranks in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def losses(run: Path) -> dict[int, float]:
-    """Each step's loss as last logged (steps trained again after a restart overwrite the first try)."""
-    return {r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r}
 
 
 def starts(run: Path) -> list[tuple[int, int]]:
