@@ -74,24 +74,32 @@ def family_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
     head_dim = h.get("head_dim") or D // H
     if family == "olmoe" and head_dim != D // H:
         raise ValueError(f"head_dim {head_dim}: OLMoE's heads are hidden_size / num_attention_heads ({D // H}) wide")
-    theta, scaling, factor = rope_from_hf(h)
     every, first_dense, dense, d_ff, d_expert = 1, 0, (), h["intermediate_size"], 0
     if family == "qwen3_moe":
         every = h["decoder_sparse_step"]
         first_dense, dense = split_dense_layers(h["mlp_only_layers"])
         d_expert = h["moe_intermediate_size"] if h["moe_intermediate_size"] != d_ff else 0
     return ModelConfig(
-        vocab_size=h["vocab_size"], d_model=D, n_layers=h["num_hidden_layers"], n_heads=H,
-        n_kv_heads=h["num_key_value_heads"], head_dim=head_dim if head_dim != D // H else None, d_ff=d_ff,
-        activation="swiglu", norm="rmsnorm", norm_eps=float(h["rms_norm_eps"]), norm_position="pre",
-        position="rope", rope_theta=float(theta), rope_scaling=scaling, rope_scaling_factor=float(factor),
-        max_seq_len=h["max_position_embeddings"], dropout=0.0, bias=False,
-        tie_embeddings=bool(h["tie_word_embeddings"]), init_std=float(h["initializer_range"]),
+        **rope_decoder_keys(h, head_dim, d_ff),
         qk_norm="head" if family == "qwen3_moe" else "projection",
         moe=MoEConfig(num_experts=h["num_experts"], top_k=h["num_experts_per_tok"], d_expert=d_expert,
                       capacity_factor=None, weighting="renormalize" if h["norm_topk_prob"] else "softmax",
                       aux_loss_coef=float(h["router_aux_loss_coef"]), every=every, first_dense_layers=first_dense,
                       dense_layers=dense))
+
+
+def rope_decoder_keys(h: dict[str, Any], head_dim: int, d_ff: int) -> dict[str, Any]:
+    """The ModelConfig keys of a Qwen-MoE or OLMoE config.json (defaults filled in) that describe
+    their shared shape: a pre-norm RMSNorm decoder with RoPE, GQA, SwiGLU and no biases."""
+    D, H = h["hidden_size"], h["num_attention_heads"]
+    theta, scaling, factor = rope_from_hf(h)
+    return dict(
+        vocab_size=h["vocab_size"], d_model=D, n_layers=h["num_hidden_layers"], n_heads=H,
+        n_kv_heads=h["num_key_value_heads"], head_dim=head_dim if head_dim != D // H else None, d_ff=d_ff,
+        activation="swiglu", norm="rmsnorm", norm_eps=float(h["rms_norm_eps"]), norm_position="pre",
+        position="rope", rope_theta=float(theta), rope_scaling=scaling, rope_scaling_factor=float(factor),
+        max_seq_len=h["max_position_embeddings"], dropout=0.0, bias=False,
+        tie_embeddings=bool(h["tie_word_embeddings"]), init_std=float(h["initializer_range"]))
 
 
 def split_dense_layers(mlp_only_layers: list[int]) -> tuple[int, tuple[int, ...]]:

@@ -35,7 +35,7 @@ import torch
 
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.hf import experts_from_hf, experts_to_hf
-from moetron.model.hf_families import dense_layer_list, rope_from_hf, split_dense_layers
+from moetron.model.hf_families import dense_layer_list, rope_decoder_keys, split_dense_layers
 
 FAMILY = "qwen2_moe"
 TITLE = "Qwen2-MoE"
@@ -74,16 +74,10 @@ def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
         raise ValueError(f"shared_expert_intermediate_size {h['shared_expert_intermediate_size']}: "
                          f"moetron's gated shared expert needs a width")
     head_dim = h.get("head_dim") or D // H
-    theta, scaling, factor = rope_from_hf(h)
     first_dense, dense = split_dense_layers(h["mlp_only_layers"])
     d_ff = h["intermediate_size"]
     return ModelConfig(
-        vocab_size=h["vocab_size"], d_model=D, n_layers=h["num_hidden_layers"], n_heads=H,
-        n_kv_heads=h["num_key_value_heads"], head_dim=head_dim if head_dim != D // H else None, d_ff=d_ff,
-        activation="swiglu", norm="rmsnorm", norm_eps=float(h["rms_norm_eps"]), norm_position="pre",
-        position="rope", rope_theta=float(theta), rope_scaling=scaling, rope_scaling_factor=float(factor),
-        max_seq_len=h["max_position_embeddings"], dropout=0.0, bias=False,
-        tie_embeddings=bool(h["tie_word_embeddings"]), init_std=float(h["initializer_range"]),
+        **rope_decoder_keys(h, head_dim, d_ff),
         attention_bias="qkv" if h["qkv_bias"] else "none",
         moe=MoEConfig(num_experts=h["num_experts"], top_k=h["num_experts_per_tok"],
                       d_expert=h["moe_intermediate_size"] if h["moe_intermediate_size"] != d_ff else 0,
