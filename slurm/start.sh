@@ -221,10 +221,15 @@ fi
 if ! alive "$root/run/mariadb.pid" mariadbd; then
     if [[ ! -d "$root/mysql/mysql" ]]; then
         # A half-made data folder (interrupted first start) is thrown away and made again.
-        rm -rf "$root/mysql"
-        mariadb-install-db --no-defaults --user=root --datadir="$root/mysql" --skip-test-db \
-            --auth-root-authentication-method=socket >"$root/log/mariadb-install.log" 2>&1 ||
-            { tail -n 20 "$root/log/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
+        # Seen once on a fresh machine with two clusters starting at once: a first try that fails
+        # and a second that works, so it gets two tries before giving up.
+        for try in 1 2; do
+            rm -rf "$root/mysql"
+            mariadb-install-db --no-defaults --user=root --datadir="$root/mysql" --skip-test-db \
+                --auth-root-authentication-method=socket >"$root/log/mariadb-install.log" 2>&1 && break
+            ((try < 2)) || { tail -n 20 "$root/log/mariadb-install.log" >&2; die "mariadb-install-db failed"; }
+            sleep 1
+        done
     fi
     rm -f "$db_socket"
     # mariadbd does not daemonize itself; setsid detaches it from the caller's session.

@@ -9,8 +9,10 @@ Under CI (`CI=true`, which the CI runner sets) such a skip fails the test instea
 package, so that a broken install cannot turn the references off while the run stays green.
 """
 
+import fcntl
 import os
 import re
+import socket
 import subprocess
 
 import pytest
@@ -103,6 +105,28 @@ def tmpfs(tmp_path):
     yield mount
     for where in mounted:
         assert subprocess.run(["umount", str(where)], capture_output=True).returncode == 0, f"a file on {where} is left open"
+
+
+@pytest.fixture
+def slurm_ports():
+    """The first port of a block of five (slurmctld, slurmd, slurmdbd, MariaDB, a first extra node)
+    that no other test holds and nothing listens on, for a local Slurm of the test's own
+    (MOETRON_SLURM_PORT). A lock file per block holds it until the test ends: two xdist workers that
+    scan at once would otherwise both find a block free before either's MariaDB binds it."""
+    for base in range(7917, 8900, 10):
+        lock = open(f"/tmp/moetron-slurm-ports-{base}.lock", "w")  # noqa: SIM115 - held until teardown
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for port in range(base, base + 5):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            lock.close()
+            continue
+        yield base
+        lock.close()  # closing releases the lock
+        return
+    pytest.skip("no block of five free ports in 7917..8900 for a local Slurm")
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -83,20 +82,8 @@ def test_readme_names_what_make_test_installs_and_starts_and_make_stop_stops_it(
 # --- with a real local Slurm, in a folder and on ports of its own ---------------------------------------
 
 
-def _free_port_block(count: int) -> int:
-    for base in range(7917, 8900, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    pytest.skip("no block of free ports in 7917..8900 for a local Slurm")
-
-
 @pytest.fixture
-def own_slurm(tmp_path):
+def own_slurm(tmp_path, slurm_ports):
     """(environment naming a Slurm folder and ports nobody else uses, a fake python for `make test`
     whose `-m pytest` starts that Slurm as the Slurm tests would, then sleeps $FAKE_SLEEP s and
     exits with $FAKE_EXIT)."""
@@ -106,7 +93,7 @@ def own_slurm(tmp_path):
         pytest.skip("the local Slurm runs its daemons as root")
     home = tempfile.mkdtemp(prefix="moetron-slurm-")  # short: unix socket paths are limited
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env.update(MOETRON_SLURM_HOME=home, MOETRON_SLURM_PORT=str(_free_port_block(4)), FAKE_SLEEP="0", FAKE_EXIT="0")
+    env.update(MOETRON_SLURM_HOME=home, MOETRON_SLURM_PORT=str(slurm_ports), FAKE_SLEEP="0", FAKE_EXIT="0")
     fake = tmp_path / "python"
     fake.write_text(f'#!/bin/sh\nbash {SLURM / "start.sh"} >/dev/null || exit 99\nsleep "$FAKE_SLEEP"\nexit "$FAKE_EXIT"\n')
     fake.chmod(0o755)

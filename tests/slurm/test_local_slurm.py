@@ -121,22 +121,10 @@ def test_batch_script_forwards_the_signal_and_requeues_up_to_its_limit(slurm_env
     assert states == ["REQUEUED", "COMPLETED"]
 
 
-def _free_port_block(count: int) -> int:
-    for base in range(6917, 7900, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-    pytest.skip("no block of free ports in 6917..7900 for a second local Slurm")
-
-
-def test_stop_stops_only_the_cluster_it_started(slurm_env):
+def test_stop_stops_only_the_cluster_it_started(slurm_env, slurm_ports):
     # A second cluster in its own folder and ports; stopping it must leave the session's running.
     home = tempfile.mkdtemp(prefix="moetron-slurm-")  # short: unix socket paths are limited
-    env = {**slurm_env, "MOETRON_SLURM_HOME": home, "MOETRON_SLURM_PORT": str(_free_port_block(4))}
+    env = {**slurm_env, "MOETRON_SLURM_HOME": home, "MOETRON_SLURM_PORT": str(slurm_ports)}
     env.pop("SLURM_CONF")
     pids = {}
     try:
