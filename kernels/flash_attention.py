@@ -1,7 +1,9 @@
 """Scaled dot-product attention with causal masking, grouped-query heads, ALiBi and packed documents.
 
 Legend: B batch, H query heads, G key/value heads (H % G == 0; query head h reads KV head
-h // (H // G)), S_Q query positions, S_K key positions, D head dim.
+h // (H // G)), S_Q query positions, S_K key positions, Dq the head dim of q and k, Dv the head
+dim of v and of the output (equal in most models; MLA's differ, DeepSeek-V3: 192 and 128). Names
+write either as D: q_BHSD, k_BGSD, dq, dk are Dq wide; v_BGSD, o_BHSD, do, dv are Dv wide.
 
 Positions: key j sits at j, query i at i + max(S_K - S_Q, 0): with a KV cache (S_Q < S_K) the
 queries are the last S_Q positions; with S_Q >= S_K queries and keys both start at 0.
@@ -41,6 +43,7 @@ import math
 
 import torch
 
+from moetron.kernels.attention_tiles import MAX_HEAD_DIM
 from moetron.kernels.backend import resolve_backend
 from moetron.kernels.measured_backends import PASSES
 
@@ -92,16 +95,17 @@ def flash_attention_reference(
     window: int = 0,
 ):
     """Plain eager attention, differentiable (in the sinks too), any float dtype (computed in fp32,
-    or fp64 for fp64 inputs). K/V heads are broadcast over their query heads, never copied. Returns
-    o_BHSD, or (o_BHSD, lse_BHS) with the natural-log logsumexp of each row of logits (and sink)."""
-    B, H, S_Q, D = q_BHSD.shape
-    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
-    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    or fp64 for fp64 inputs), any head dims (v's may differ from q's and k's). K/V heads are
+    broadcast over their query heads, never copied. Returns o_BHSD (B, H, S_Q, Dv), or (o_BHSD,
+    lse_BHS) with the natural-log logsumexp of each row of logits (and sink)."""
+    B, H, S_Q, Dq = q_BHSD.shape
+    G, S_K, Dv = k_BGSD.shape[1], k_BGSD.shape[2], v_BGSD.shape[3]
+    scale = Dq**-0.5 if softmax_scale is None else softmax_scale
     ct = _compute_dtype(q_BHSD.dtype)
     s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, scale, ct, doc_start_BS, window)
     lse_BHS = _logsumexp(s_BHQK, sinks_H, ct)
     p_BGRQK = torch.exp(s_BHQK - lse_BHS[..., None]).reshape(B, G, H // G, S_Q, S_K)
-    o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D).to(q_BHSD.dtype)
+    o_BHSD = (p_BGRQK @ v_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, Dv).to(q_BHSD.dtype)
     return (o_BHSD, lse_BHS.float()) if return_lse else o_BHSD
 
 
@@ -109,22 +113,22 @@ def flash_attention_reference_backward(do_BHSD, q_BHSD, k_BGSD, v_BGSD, causal, 
                                        doc_start_BS=None, sinks_H=None, window=0):
     """(dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H) of flash_attention_reference by the softmax backward
     formulas, recomputing the probabilities (no autograd: it runs inside a custom op, below
-    autograd). dsinks_H is empty, shape (0,), without sinks."""
-    B, H, S_Q, D = q_BHSD.shape
-    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
+    autograd). dq and dk are Dq wide, dv Dv. dsinks_H is empty, shape (0,), without sinks."""
+    B, H, S_Q, Dq = q_BHSD.shape
+    G, S_K, Dv = k_BGSD.shape[1], k_BGSD.shape[2], v_BGSD.shape[3]
     ct = _compute_dtype(q_BHSD.dtype)
     s_BHQK = _logits(q_BHSD, k_BGSD, causal, alibi_slopes_H, softmax_scale, ct, doc_start_BS, window)
     lse_BHQ = _logsumexp(s_BHQK, sinks_H, ct)
     p_BGRQK = torch.exp(s_BHQK - lse_BHQ[..., None]).reshape(B, G, H // G, S_Q, S_K)
-    do_BGRQD = do_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
-    q_BGRQD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, D)
+    do_BGRQD = do_BHSD.to(ct).reshape(B, G, H // G, S_Q, Dv)
+    q_BGRQD = q_BHSD.to(ct).reshape(B, G, H // G, S_Q, Dq)
     dv_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", p_BGRQK, do_BGRQD)
     dp_BGRQK = do_BGRQD @ v_BGSD.to(ct)[:, :, None].transpose(-1, -2)
     # delta = sum_j p_ij dp_ij = dO_i . O_i; the sink's dp is 0 (it has no value), so the same
     # formulas hold with sinks, and d sink_h = -sum_(b,i) p_sink,bhi delta_bhi (see the Triton backward).
     delta_BGRQ = (p_BGRQK * dp_BGRQK).sum(-1)
     ds_BGRQK = p_BGRQK * (dp_BGRQK - delta_BGRQ[..., None])
-    dq_BHSD = (ds_BGRQK @ k_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, D) * softmax_scale
+    dq_BHSD = (ds_BGRQK @ k_BGSD.to(ct)[:, :, None]).reshape(B, H, S_Q, Dq) * softmax_scale
     dk_BGSD = torch.einsum("bgrqk,bgrqd->bgkd", ds_BGRQK, q_BGRQD) * softmax_scale
     dsinks_H = q_BHSD.new_zeros(0)
     if sinks_H is not None:
@@ -157,8 +161,8 @@ def _fwd_op(
 @_fwd_op.register_fake
 def _(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS=None, sinks_H=None,
       window=0):
-    B, H, S_Q, D = q_BHSD.shape
-    return q_BHSD.new_empty(B, H, S_Q, D), q_BHSD.new_empty(B, H, S_Q, dtype=torch.float32)
+    B, H, S_Q, _ = q_BHSD.shape
+    return q_BHSD.new_empty(B, H, S_Q, v_BGSD.shape[3]), q_BHSD.new_empty(B, H, S_Q, dtype=torch.float32)
 
 
 @torch.library.custom_op("moetron::flash_attention_bwd", mutates_args=())
@@ -243,6 +247,17 @@ def _check_sinks_window(sinks_H, window, q_BHSD: torch.Tensor, k_BGSD: torch.Ten
         raise ValueError(f"flash_attention: a sliding window needs S_Q <= S_K, got S_Q={S_Q}, S_K={S_K}")
 
 
+def _check_kernel_inputs(backend: str, q_BHSD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor) -> None:
+    """One-line ValueErrors for inputs the Triton kernels cannot take."""
+    if q_BHSD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"flash_attention: backend={backend!r} takes fp32, fp16 or bf16, got {q_BHSD.dtype}")
+    if k_BGSD.shape[2] == 0:
+        raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
+    if max(q_BHSD.shape[3], v_BGSD.shape[3]) > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: backend={backend!r} takes head dims up to {MAX_HEAD_DIM}, got "
+                         f"q/k {q_BHSD.shape[3]} and v {v_BGSD.shape[3]}")
+
+
 def flash_attention(
     q_BHSD: torch.Tensor,
     k_BGSD: torch.Tensor,
@@ -257,9 +272,9 @@ def flash_attention(
     backend: str | None = None,
 ) -> torch.Tensor:
     """o_BHSD = softmax(scale * q k^T + alibi, causal, window and document mask; sink) v, differentiable
-    in q, k, v and sinks_H.
+    in q, k, v and sinks_H. q and k share a head dim Dq; v's Dv (the output's) may differ (MLA).
 
-    `softmax_scale` defaults to 1/sqrt(D). `doc_start_BS`: int32 or int64 (B, S_K) on q's device,
+    `softmax_scale` defaults to 1/sqrt(Dq). `doc_start_BS`: int32 or int64 (B, S_K) on q's device,
     where the document of each key position begins (module docstring); only with causal=True and
     S_Q <= S_K. `sinks_H`: (H,) float logits on q's device, one extra softmax column per query
     head without a value (GPT-OSS). `window`: 0 for none, else W >= 1: a query sees itself and
@@ -267,12 +282,12 @@ def flash_attention(
     with causal=True and S_Q <= S_K. `backend`: None or "auto" picks, for the forward and
     the backward each, the path recorded for this CUDA device (Triton where unmeasured; see
     kernels/measured_backends.py) and torch elsewhere; "interpret" runs the Triton kernels on CPU
-    (tests). The Triton path takes fp32, fp16 and bf16 with head dims 32, 64 or 128; the torch
-    path any float dtype and head dim.
+    (tests). The Triton path takes fp32, fp16 and bf16 with head dims Dq and Dv each from 1 to 256
+    (not only powers of two: 192, 96, 48 alike); the torch path any float dtype and head dims.
     """
-    if q_BHSD.dim() != 4 or k_BGSD.dim() != 4 or v_BGSD.shape != k_BGSD.shape:
+    if q_BHSD.dim() != 4 or k_BGSD.dim() != 4 or v_BGSD.dim() != 4 or v_BGSD.shape[:3] != k_BGSD.shape[:3]:
         raise ValueError(
-            f"flash_attention: expected q_BHSD, k_BGSD, v_BGSD 4-D with k and v alike; got "
+            f"flash_attention: expected q_BHSD, k_BGSD, v_BGSD 4-D with k and v alike but for the head dim; got "
             f"{tuple(q_BHSD.shape)}, {tuple(k_BGSD.shape)}, {tuple(v_BGSD.shape)}"
         )
     (B, H, _, D), (Bk, G, _, Dk) = q_BHSD.shape, k_BGSD.shape
@@ -292,10 +307,7 @@ def flash_attention(
     kernels = sorted({resolve_backend(request, q_BHSD.device, "attention", p, q_BHSD.dtype)
                       for p in PASSES["attention"]} - {"torch"})
     if kernels:
-        if q_BHSD.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"flash_attention: backend={kernels[0]!r} takes fp32, fp16 or bf16, got {q_BHSD.dtype}")
-        if k_BGSD.shape[2] == 0:
-            raise ValueError("flash_attention: no keys to attend to (S_K == 0)")
+        _check_kernel_inputs(kernels[0], q_BHSD, k_BGSD, v_BGSD)
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
     # A window of S_K or more hides nothing; capping it keeps the kernels' position arithmetic in int32.
     window = min(window, k_BGSD.shape[2])

@@ -2,7 +2,17 @@
 (dQ, dK, dV recomputing the probabilities from the logsumexp), FlashAttention-2 style.
 
 Legend: B batch, H query heads, G key/value heads (H % G == 0; query head h reads KV head
-h // (H // G)), S_Q query positions, S_K key positions, D head dim.
+h // (H // G)), S_Q query positions, S_K key positions, Dq the head dim of q and k (and dq, dk),
+Dv the head dim of v (and o, do, dv); names write either as D.
+
+Head dims (the HEAD_DQ / HEAD_DV constexprs) need not be equal (MLA: Dq 192, Dv 128) nor powers
+of two. Triton's tiles are powers of two, so a head dim is held in a tile of the next power of two
+(BLOCK_DQ / BLOCK_DV, kernels/attention_tiles.py: 192 in 256, 48 in 64) whose extra columns are
+loaded as zeros and never stored: zeros add nothing to q·kᵀ, to p·v or to the gradients' dots, so
+every feature below works unchanged. Powers of two compile exactly as without the column mask.
+The padding costs dot work (192 in 256: a third more on the q/k side) where a split into two
+power-of-two parts (128 + 64) would not; the split needs every dot, load and accumulator of the
+q/k side twice, in all three kernels, for a saving worth measuring on a GPU first.
 
 Positions: key j sits at j; query i at i + Q_OFFSET, Q_OFFSET = max(S_K - S_Q, 0), so a decode
 step with a KV cache (S_Q < S_K) puts its queries at the end. Causal: key j is visible to query i
@@ -41,7 +51,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetron.kernels.attention_tiles import SHIPPED_CONFIGS, AttnConfig, AttnConfigs, attention_configs
+from moetron.kernels.attention_tiles import (SHIPPED_CONFIGS, AttnConfig, AttnConfigs, attention_configs,
+                                             head_dim_constexprs)
 from moetron.kernels.backend import device_guard, upcast
 from moetron.kernels.kernel_spec import KernelSpec
 
@@ -49,18 +60,40 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(base, stride_s, offs_s, n_rows, HEAD_DIM: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr):
-    """Rows `offs_s` of a (seq, HEAD_DIM) matrix → (len(offs_s), HEAD_DIM); rows ≥ n_rows read as
-    zeros when MASK. UPCAST widens to fp32 (the interpreter's numpy has no bf16 dot)."""
-    offs_d = tl.arange(0, HEAD_DIM)
+def _rows_mask(offs_s, n_rows, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Which entries of rows `offs_s` of a (seq, HEAD_D) matrix, BLOCK_D wide, exist: rows < n_rows,
+    and columns < HEAD_D when HEAD_D < BLOCK_D (a power-of-two head dim compiles without a column mask)."""
+    mask = offs_s[:, None] < n_rows
+    if HEAD_D < BLOCK_D:
+        mask = mask & (tl.arange(0, BLOCK_D)[None, :] < HEAD_D)
+    return mask
+
+
+@triton.jit
+def _load_rows(base, stride_s, offs_s, n_rows, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr, MASK: tl.constexpr,
+        UPCAST: tl.constexpr):
+    """Rows `offs_s` of a (seq, HEAD_D) matrix → (len(offs_s), BLOCK_D), BLOCK_D the power of two
+    the tile takes; columns from HEAD_D on read as zeros (they add nothing to a dot), and rows
+    ≥ n_rows too when MASK. UPCAST widens to fp32 (the interpreter's numpy has no bf16 dot)."""
+    offs_d = tl.arange(0, BLOCK_D)
     ptrs = base + offs_s[:, None] * stride_s + offs_d[None, :]
     if MASK:
-        tile = tl.load(ptrs, mask=offs_s[:, None] < n_rows, other=0.0)
+        tile = tl.load(ptrs, mask=_rows_mask(offs_s, n_rows, HEAD_D, BLOCK_D), other=0.0)
+    elif HEAD_D < BLOCK_D:
+        tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_D, other=0.0)
     else:
         tile = tl.load(ptrs)
     if UPCAST:
         tile = tile.to(tl.float32)
     return tile
+
+
+@triton.jit
+def _store_rows(base, stride_s, offs_s, n_rows, tile, HEAD_D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Store a (len(offs_s), BLOCK_D) tile into rows `offs_s` < n_rows, columns < HEAD_D, of a
+    (seq, HEAD_D) matrix, converted to the matrix's dtype."""
+    ptrs = base + offs_s[:, None] * stride_s + tl.arange(0, BLOCK_D)[None, :]
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=_rows_mask(offs_s, n_rows, HEAD_D, BLOCK_D))
 
 
 @triton.jit
@@ -127,12 +160,13 @@ def _first_start_after(doc_base, key, lo, hi):
 
 @triton.jit
 def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
-        qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr, LEFT: tl.constexpr):
+        qk_scale, S_K, HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+        LEFT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
-        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DQ, BLOCK_DQ, MASK, UPCAST)
+        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DV, BLOCK_DV, MASK, UPCAST)
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         if MASK:
             s = tl.where(_visible(offs_n, pos_q, start_q, S_K, CAUSAL, LEFT), s, float("-inf"))
@@ -151,22 +185,23 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo
 
 
 @triton.jit
-def _attn_fwd_left(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
-        window, slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
-        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
+def _attn_fwd_left(acc, l_i, m_i, q, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows, window,
+        slope2, qk_scale, S_K, HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr,
+        BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr):
     """The key tiles of one causal query tile with a left bound (documents, window): none before
     n_lo; masked up to n_left (some row's bound falls inside) and from n_full (the diagonal, the end
     of the keys); unmasked between."""
     start_q, n_lo, n_left = _left_key_tiles(doc_base, pos_q, rows, window, BLOCK_N, DOCS, WINDOW)
     acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_left, n_full),
-                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI,
-                                    UPCAST, True)
+                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV,
+                                    BLOCK_N, True, True, ALIBI, UPCAST, True)
     acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_left, n_full, pos_q,
-                                    start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST,
-                                    False)
+                                    start_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N,
+                                    False, True, ALIBI, UPCAST, False)
     acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi,
-                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI,
-                                    UPCAST, True)
+                                    pos_q, start_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV,
+                                    BLOCK_N, True, True, ALIBI, UPCAST, True)
     return acc, l_i, m_i
 
 
@@ -175,22 +210,18 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_ob, stride_oh, stride_os, stride_db,
         H, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
         WINDOW: tl.constexpr, SINKS: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    b, h = pid_bh // H, pid_bh % H
     g = h // GROUP
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    row_mask = offs_m[:, None] < S_Q
-    q_base = q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
+    q = _load_rows(q_ptr + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh, stride_qs, offs_m, S_Q, HEAD_DQ,
+                   BLOCK_DQ, True, UPCAST)
     k_base = k_ptr + b.to(tl.int64) * stride_kb + g.to(tl.int64) * stride_kg
     v_base = v_ptr + b.to(tl.int64) * stride_vb + g.to(tl.int64) * stride_vg
     pos_q = offs_m + Q_OFFSET
@@ -212,17 +243,19 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
         # (running max = sink, running sum = exp2(sink - sink) = 1) and adds nothing to acc.
         m_i = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         l_i = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_DV), dtype=tl.float32)
     if DOCS or WINDOW:
         acc, l_i, m_i = _attn_fwd_left(acc, l_i, m_i, q, k_base, v_base, doc_start_ptr + b.to(tl.int64) * stride_db,
                                        stride_ks, stride_vs, n_full, n_hi, pos_q, offs_m < S_Q, window, slope2,
-                                       qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI, UPCAST, DOCS, WINDOW)
+                                       qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, ALIBI, UPCAST,
+                                       DOCS, WINDOW)
     else:
         acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
-                                        slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
+                                        slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, False,
+                                        CAUSAL, ALIBI, UPCAST, False)
         acc, l_i, m_i = _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q,
-                                        pos_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST,
-                                        False)
+                                        pos_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N,
+                                        True, CAUSAL, ALIBI, UPCAST, False)
 
     if WINDOW:
         # A row past S_Q (never stored) may sit beyond every key's window and have l = 0; a sum
@@ -230,15 +263,15 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, slopes_ptr, doc_start_
         l_i = tl.where(offs_m < S_Q, l_i, 1.0)
     o = acc / l_i[:, None]
     o_base = o_ptr + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=row_mask)
+    _store_rows(o_base, stride_os, offs_m, S_Q, o, HEAD_DV, BLOCK_DV)
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453
     tl.store(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, lse, mask=offs_m < S_Q)
 
 
 @triton.jit
 def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, lse_ptr, sinks_ptr, dsinks_ptr, stride_ob, stride_oh,
-        stride_os, stride_dob, stride_doh, stride_dos, H, S_Q, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-        SINKS: tl.constexpr):
+        stride_os, stride_dob, stride_doh, stride_dos, H, S_Q, HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, SINKS: tl.constexpr):
     # delta_i = sum_d o_id * do_id, the row term of the softmax backward; with SINKS also this
     # tile's share of d sink_h (flash_attention_bwd_triton derives it), one partial sum per program.
     pid_m = tl.program_id(0)
@@ -246,12 +279,8 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, lse_ptr, sinks_ptr, dsinks_
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = offs_m[:, None] < S_Q
-    o = tl.load(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=mask,
-                other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :], mask=mask,
-                 other=0.0)
+    o = _load_rows(o_ptr + b * stride_ob + h * stride_oh, stride_os, offs_m, S_Q, HEAD_DV, BLOCK_DV, True, False)
+    do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, stride_dos, offs_m, S_Q, HEAD_DV, BLOCK_DV, True, False)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, delta, mask=offs_m < S_Q)
     if SINKS:
@@ -262,14 +291,14 @@ def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, lse_ptr, sinks_ptr, dsinks_
 
 
 @triton.jit
-def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
-        m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo, m_hi,
+        offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr,
+        BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
         ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
-        q = _load_rows(q_base, stride_qs, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
-        do = _load_rows(do_base, stride_dos, offs_m, S_Q, HEAD_DIM, MASK, UPCAST)
+        q = _load_rows(q_base, stride_qs, offs_m, S_Q, HEAD_DQ, BLOCK_DQ, MASK, UPCAST)
+        do = _load_rows(do_base, stride_dos, offs_m, S_Q, HEAD_DV, BLOCK_DV, MASK, UPCAST)
         lse2 = _load_vec(lse_base, offs_m, S_Q, MASK) * 1.4426950408889634
         delta = _load_vec(delta_base, offs_m, S_Q, MASK)
         s_t = tl.dot(k, tl.trans(q)) * qk_scale  # keys x queries
@@ -296,20 +325,20 @@ def _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_ba
 
 @triton.jit
 def _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos, m_lo,
-        m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr,
-        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
+        m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ: tl.constexpr,
+        HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+        CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
     """One query head's share of a key tile: query tiles [m_lo, m_diag_hi) and [m_tail, m_hi)
     masked, [m_full, m_free) without a mask."""
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_lo, m_diag_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
+                              m_lo, m_diag_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ, HEAD_DV,
+                              BLOCK_DQ, BLOCK_DV, BLOCK_M, True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_full, m_free, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              False, CAUSAL, ALIBI, UPCAST, False, False)
+                              m_full, m_free, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ, HEAD_DV,
+                              BLOCK_DQ, BLOCK_DV, BLOCK_M, False, CAUSAL, ALIBI, UPCAST, False, False)
     dk, dv = _attn_dkdv_tiles(dk, dv, k, v, q_base, do_base, lse_base, delta_base, doc_base, stride_qs, stride_dos,
-                              m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M,
-                              True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
+                              m_tail, m_hi, offs_n, window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ, HEAD_DV, BLOCK_DQ,
+                              BLOCK_DV, BLOCK_M, True, CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
     return dk, dv
 
 
@@ -331,7 +360,8 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
         H, G, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale, sm_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
         WINDOW: tl.constexpr):
     # One program per (key tile, batch, KV head); it sums over the GROUP query heads sharing
@@ -342,17 +372,11 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
     g = pid_bg % G
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    key_mask = offs_n[:, None] < S_K
-    k = tl.load(k_ptr + b * stride_kb + g.to(tl.int64) * stride_kg + offs_n[:, None] * stride_ks + offs_d[None, :],
-                mask=key_mask, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + g.to(tl.int64) * stride_vg + offs_n[:, None] * stride_vs + offs_d[None, :],
-                mask=key_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    k = _load_rows(k_ptr + b * stride_kb + g.to(tl.int64) * stride_kg, stride_ks, offs_n, S_K, HEAD_DQ, BLOCK_DQ, True,
+                   UPCAST)
+    v = _load_rows(v_ptr + b * stride_vb + g.to(tl.int64) * stride_vg, stride_vs, offs_n, S_K, HEAD_DV, BLOCK_DV, True,
+                   UPCAST)
+    dk, dv = tl.zeros((BLOCK_N, BLOCK_DQ), dtype=tl.float32), tl.zeros((BLOCK_N, BLOCK_DV), dtype=tl.float32)
 
     # Query tiles [m_lo, m_full) straddle the causal diagonal; [m_full, m_even) see every
     # key of this tile and lie inside S_Q; [m_even, S_Q) is the ragged tail (which may also
@@ -385,24 +409,24 @@ def _attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_pt
         if ALIBI:
             slope2 = tl.load(slopes_ptr + h).to(tl.float32) * 1.4426950408889634
         dk, dv = _attn_dkdv_ranges(dk, dv, k, v, q_base, do_base, lse_ptr + bh * S_Q, delta_ptr + bh * S_Q, doc_base,
-                                   stride_qs, stride_dos, m_lo, m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n,
-                                   window, slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DIM, BLOCK_M, CAUSAL, ALIBI, UPCAST,
-                                   DOCS, WINDOW)
+                                   stride_qs, stride_dos, m_lo, m_diag_hi, m_full, m_free, m_tail, m_hi, offs_n, window,
+                                   slope2, qk_scale, S_Q, Q_OFFSET, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_M,
+                                   CAUSAL, ALIBI, UPCAST, DOCS, WINDOW)
 
-    # dk, dv are contiguous (B, G, S_K, D), allocated by the wrapper.
-    out = pid_bg.to(tl.int64) * S_K * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=key_mask)
-    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=key_mask)
+    # dk (B, G, S_K, Dq) and dv (B, G, S_K, Dv) are contiguous, allocated by the wrapper.
+    _store_rows(dk_ptr + pid_bg.to(tl.int64) * S_K * HEAD_DQ, HEAD_DQ, offs_n, S_K, dk * sm_scale, HEAD_DQ, BLOCK_DQ)
+    _store_rows(dv_ptr + pid_bg.to(tl.int64) * S_K * HEAD_DV, HEAD_DV, offs_n, S_K, dv, HEAD_DV, BLOCK_DV)
 
 
 @triton.jit
 def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, n_hi, pos_q, start_q, slope2,
-        qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-        ALIBI: tl.constexpr, UPCAST: tl.constexpr, LEFT: tl.constexpr):
+        qk_scale, S_K, HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr,
+        LEFT: tl.constexpr):
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
-        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DIM, MASK, UPCAST)
+        k = _load_rows(k_base, stride_ks, offs_n, S_K, HEAD_DQ, BLOCK_DQ, MASK, UPCAST)
+        v = _load_rows(v_base, stride_vs, offs_n, S_K, HEAD_DV, BLOCK_DV, MASK, UPCAST)
         s = _scores(q, k, offs_n, pos_q, slope2, qk_scale, ALIBI)
         p = tl.math.exp2(s - lse2[:, None])
         if MASK:
@@ -415,16 +439,20 @@ def _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs,
 
 @triton.jit
 def _attn_dq_left(dq, q, do, lse2, delta, k_base, v_base, doc_base, stride_ks, stride_vs, n_full, n_hi, pos_q, rows,
-        window, slope2, qk_scale, S_K, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr,
-        UPCAST: tl.constexpr, DOCS: tl.constexpr, WINDOW: tl.constexpr):
+        window, slope2, qk_scale, S_K, HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr,
+        BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
+        WINDOW: tl.constexpr):
     """The key tiles of one causal query tile with a left bound, split as in _attn_fwd_left."""
     start_q, n_lo, n_left = _left_key_tiles(doc_base, pos_q, rows, window, BLOCK_N, DOCS, WINDOW)
-    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_left, n_full),
-                        pos_q, start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
+    dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_lo, min(n_left, n_full), pos_q,
+                        start_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, True, True,
+                        ALIBI, UPCAST, True)
     dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_left, n_full, pos_q, start_q,
-                        slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, True, ALIBI, UPCAST, False)
+                        slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, False, True, ALIBI,
+                        UPCAST, False)
     dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, max(n_full, n_lo), n_hi, pos_q,
-                        start_q, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, True, ALIBI, UPCAST, True)
+                        start_q, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, True, True,
+                        ALIBI, UPCAST, True)
     return dq
 
 
@@ -433,7 +461,8 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kg, stride_ks,
         stride_vb, stride_vg, stride_vs, stride_dob, stride_doh, stride_dos, stride_db,
         H, GROUP, S_Q, S_K, Q_OFFSET, window, qk_scale, sm_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DQ: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_DQ: tl.constexpr, BLOCK_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, ALIBI: tl.constexpr, UPCAST: tl.constexpr, DOCS: tl.constexpr,
         WINDOW: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -443,15 +472,11 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     g = (h // GROUP).to(tl.int64)
     m0 = pid_m * BLOCK_M
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     row_mask = offs_m < S_Q
-    q = tl.load(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=row_mask[:, None], other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=row_mask[:, None], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_rows(q_ptr + b * stride_qb + h.to(tl.int64) * stride_qh, stride_qs, offs_m, S_Q, HEAD_DQ, BLOCK_DQ, True,
+                   UPCAST)
+    do = _load_rows(do_ptr + b * stride_dob + h.to(tl.int64) * stride_doh, stride_dos, offs_m, S_Q, HEAD_DV, BLOCK_DV,
+                    True, UPCAST)
     lse2 = tl.load(lse_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + pid_bh.to(tl.int64) * S_Q + offs_m, mask=row_mask, other=0.0)
     slope2 = 0.0
@@ -467,20 +492,21 @@ def _attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     if CAUSAL:
         n_full = min(n_full, ((m0 + Q_OFFSET + 1) // BLOCK_N) * BLOCK_N)
         n_hi = min(S_K, m0 + BLOCK_M + Q_OFFSET)
-    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    dq = tl.zeros((BLOCK_M, BLOCK_DQ), dtype=tl.float32)
     if DOCS or WINDOW:
         dq = _attn_dq_left(dq, q, do, lse2, delta, k_base, v_base, doc_start_ptr + b * stride_db, stride_ks, stride_vs,
-                           n_full, n_hi, pos_q, row_mask, window, slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, ALIBI,
-                           UPCAST, DOCS, WINDOW)
+                           n_full, n_hi, pos_q, row_mask, window, slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ,
+                           BLOCK_DV, BLOCK_N, ALIBI, UPCAST, DOCS, WINDOW)
     else:
         dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, 0, n_full, pos_q, pos_q,
-                            slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, False, CAUSAL, ALIBI, UPCAST, False)
+                            slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, False, CAUSAL, ALIBI,
+                            UPCAST, False)
         dq = _attn_dq_tiles(dq, q, do, lse2, delta, k_base, v_base, stride_ks, stride_vs, n_full, n_hi, pos_q, pos_q,
-                            slope2, qk_scale, S_K, HEAD_DIM, BLOCK_N, True, CAUSAL, ALIBI, UPCAST, False)
+                            slope2, qk_scale, S_K, HEAD_DQ, HEAD_DV, BLOCK_DQ, BLOCK_DV, BLOCK_N, True, CAUSAL, ALIBI,
+                            UPCAST, False)
 
-    # dq is contiguous (B, H, S_Q, D), allocated by the wrapper.
-    out = pid_bh.to(tl.int64) * S_Q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptr + out, (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=row_mask[:, None])
+    # dq is contiguous (B, H, S_Q, Dq), allocated by the wrapper.
+    _store_rows(dq_ptr + pid_bh.to(tl.int64) * S_Q * HEAD_DQ, HEAD_DQ, offs_m, S_Q, dq * sm_scale, HEAD_DQ, BLOCK_DQ)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -493,14 +519,16 @@ def _inner_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend, doc_start_BS, window):
-    """Shapes, the constexpr flags every attention kernel takes and the scalars they share."""
-    B, H, S_Q, D = q_BHSD.shape
-    G, S_K = k_BGSD.shape[1], k_BGSD.shape[2]
-    flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi_slopes_H is not None,
-                 UPCAST=upcast(backend, q_BHSD.dtype), DOCS=doc_start_BS is not None, WINDOW=window > 0)
+    """Shapes (Dq q's and k's head dim, Dv v's), the constexpr flags every attention kernel takes
+    and the scalars they share."""
+    B, H, S_Q, Dq = q_BHSD.shape
+    G, S_K, Dv = k_BGSD.shape[1], k_BGSD.shape[2], v_BGSD.shape[3]
+    flags = head_dim_constexprs(Dq, Dv) | dict(CAUSAL=causal, ALIBI=alibi_slopes_H is not None,
+                                               UPCAST=upcast(backend, q_BHSD.dtype), DOCS=doc_start_BS is not None,
+                                               WINDOW=window > 0)
     scalars = dict(GROUP=H // G, S_Q=S_Q, S_K=S_K, Q_OFFSET=max(S_K - S_Q, 0), window=window,
                    qk_scale=softmax_scale * LOG2E)
-    return B, H, G, S_Q, S_K, D, flags, scalars
+    return B, H, G, S_Q, S_K, Dq, Dv, flags, scalars
 
 
 def _as_fp32(t_H, like):
@@ -533,18 +561,19 @@ def _check_window(window, causal, S_Q, S_K):
 
 def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, softmax_scale, backend,
                                config: AttnConfig | None = None, *, doc_start_BS=None, sinks_H=None, window=0):
-    """Returns (o_BHSD, lse_BHS): the attention output and the natural-log logsumexp of each row
-    of scaled (and biased) logits, the sink included, which the backward pass needs. `config`
+    """Returns (o_BHSD, lse_BHS): the attention output, v's head dim Dv wide, and the natural-log
+    logsumexp of each row of scaled (and biased) logits, the sink included, which the backward
+    pass needs. q and k share a head dim Dq, which may differ from Dv (MLA). `config`
     overrides the shipped tile (bench/kernels.py --tune tries candidates through it).
     `doc_start_BS` (B, S_K), causal only: where each position's document begins; `sinks_H` (H,):
     each head's sink logit; `window` (0: none): a query sees the `window` positions up to its own
     (kernels/flash_attention.py)."""
     q_BHSD, k_BGSD, v_BGSD = (_inner_contiguous(t) for t in (q_BHSD, k_BGSD, v_BGSD))
-    B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend, doc_start_BS, window)
+    B, H, G, S_Q, S_K, Dq, Dv, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
+                                                             softmax_scale, backend, doc_start_BS, window)
     _check_window(window, causal, S_Q, S_K)
-    cfg = config or attention_configs(D, q_BHSD.dtype, backend == "interpret").fwd
-    o_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
+    cfg = config or attention_configs(Dq, q_BHSD.dtype, backend == "interpret", Dv).fwd
+    o_BHSD = torch.empty(B, H, S_Q, Dv, dtype=q_BHSD.dtype, device=q_BHSD.device)
     lse_BHS = torch.empty(B, H, S_Q, dtype=torch.float32, device=q_BHSD.device)
     doc_start, stride_db = _doc_starts(doc_start_BS, causal, S_Q, S_K, lse_BHS)
     if o_BHSD.numel() == 0:
@@ -564,9 +593,10 @@ def flash_attention_fwd_triton(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H, s
 def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS, causal, alibi_slopes_H,
                                softmax_scale, backend, configs: AttnConfigs | None = None, *, doc_start_BS=None,
                                sinks_H=None, window=0):
-    """Returns (dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H), contiguous, in the inputs' dtypes; dsinks_H
-    is empty, shape (0,), without sinks. `configs` overrides the shipped tiles (its fwd entry is
-    unused); `doc_start_BS`, `sinks_H` and `window` as in the forward.
+    """Returns (dq_BHSD, dk_BGSD, dv_BGSD, dsinks_H), contiguous, in the inputs' dtypes, dq and dk
+    q's head dim Dq wide, dv v's Dv; dsinks_H is empty, shape (0,), without sinks. `configs`
+    overrides the shipped tiles (its fwd entry is unused); `doc_start_BS`, `sinks_H` and `window`
+    as in the forward.
 
     The sink's gradient: row (b, h, i) has logits z_j = s_ij over its visible keys and z_sink =
     sink_h, p = softmax(z), o_i = sum_j p_j v_j (the sink has no value, v_sink = 0). With
@@ -580,13 +610,13 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
     do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD = (
         _inner_contiguous(t) for t in (do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD))
     lse_BHS = lse_BHS.contiguous()
-    B, H, G, S_Q, S_K, D, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
-                                                      softmax_scale, backend, doc_start_BS, window)
+    B, H, G, S_Q, S_K, Dq, Dv, flags, scalars = _launch_args(q_BHSD, k_BGSD, v_BGSD, causal, alibi_slopes_H,
+                                                             softmax_scale, backend, doc_start_BS, window)
     _check_window(window, causal, S_Q, S_K)
-    cfgs = configs or attention_configs(D, q_BHSD.dtype, backend == "interpret")
-    dq_BHSD = torch.empty(B, H, S_Q, D, dtype=q_BHSD.dtype, device=q_BHSD.device)
-    dk_BGSD = torch.empty(B, G, S_K, D, dtype=k_BGSD.dtype, device=k_BGSD.device)
-    dv_BGSD = torch.empty(B, G, S_K, D, dtype=v_BGSD.dtype, device=v_BGSD.device)
+    cfgs = configs or attention_configs(Dq, q_BHSD.dtype, backend == "interpret", Dv)
+    dq_BHSD = torch.empty(B, H, S_Q, Dq, dtype=q_BHSD.dtype, device=q_BHSD.device)
+    dk_BGSD = torch.empty(B, G, S_K, Dq, dtype=k_BGSD.dtype, device=k_BGSD.device)
+    dv_BGSD = torch.empty(B, G, S_K, Dv, dtype=v_BGSD.dtype, device=v_BGSD.device)
     dsinks_H = q_BHSD.new_zeros(0) if sinks_H is None else torch.zeros_like(sinks_H)
     if S_Q == 0 or dk_BGSD.numel() == 0:
         return dq_BHSD.zero_(), dk_BGSD.zero_(), dv_BGSD.zero_(), dsinks_H
@@ -602,8 +632,8 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
     with device_guard(q_BHSD):
         _attn_bwd_delta_kernel[(n_m, B * H)](
             o_BHSD, do_BHSD, delta_BHS, lse_BHS, _as_fp32(sinks_H, lse_BHS), dsinks_BHT, *o_BHSD.stride()[:3],
-            *do_BHSD.stride()[:3], H, S_Q, HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, SINKS=sinks_H is not None,
-            num_warps=4,
+            *do_BHSD.stride()[:3], H, S_Q, HEAD_DV=Dv, BLOCK_DV=flags["BLOCK_DV"], BLOCK_M=cfgs.dq.BLOCK_M,
+            SINKS=sinks_H is not None, num_warps=4,
         )
         _attn_bwd_dkdv_kernel[(_cdiv(S_K, cfgs.dkdv.BLOCK_N), B * G)](
             q_BHSD, k_BGSD, v_BGSD, do_BHSD, lse_BHS, delta_BHS, dk_BGSD, dv_BGSD, slopes, doc_start, *strides,
@@ -623,48 +653,70 @@ def flash_attention_bwd_triton(do_BHSD, q_BHSD, k_BGSD, v_BGSD, o_BHSD, lse_BHS,
 
 
 # Variants (causal, alibi, docs, sinks, window) compiled ahead of time besides the plain causal one,
-# by (element size, head dim): every code path at least once, on the tiles that would run it
-# (GPT-OSS: bf16, D=64, causal with sinks, every other layer windowed).
+# by (element size, tile width): every code path at least once, on the tiles that would run it
+# (GPT-OSS: bf16, D=64, causal with sinks, every other layer windowed; DeepSeek-V3's MLA: bf16,
+# Dq=192 and Dv=128 on the 256-wide tiles, packed documents).
 _AOT_EXTRA_VARIANTS = {
     (2, 64): ((True, False, False, True, True),),
     (2, 128): ((False, True, False, False, False), (True, False, True, False, False), (True, False, False, True, True),
                (True, False, True, True, True)),
+    (2, 256): ((True, False, True, False, False),),
 }
+# The (Dq, Dv) pairs compiled per tile width, where not (width, width) alone: on the 256-wide tiles
+# MLA's 192/128, the pair that runs there (the extra variants above compile with it), and 256/256,
+# which fills the most shared memory.
+_AOT_HEAD_DIMS = {256: ((192, 128), (256, 256))}
+
+
+def _spec_args(size: int, Dq: int, Dv: int) -> dict:
+    """Runtime arguments shaped like a Mixtral-8x7B layer (32 query heads over 8 KV heads, 4k
+    positions; batch strides as for one sequence: a kernel never steps past it)."""
+    H, G, S = 32, 8, 4096
+    dtype = {2: torch.bfloat16, 4: torch.float32}[size]
+    args = dict(stride_qb=H * S * Dq, stride_qh=S * Dq, stride_qs=Dq, stride_kb=G * S * Dq, stride_kg=S * Dq,
+                stride_ks=Dq, stride_vb=G * S * Dv, stride_vg=S * Dv, stride_vs=Dv, stride_dob=H * S * Dv,
+                stride_doh=S * Dv, stride_dos=Dv, stride_ob=H * S * Dv, stride_oh=S * Dv, stride_os=Dv)
+    args |= dict(H=H, G=G, GROUP=H // G, S_Q=S, S_K=S, Q_OFFSET=0, qk_scale=0.1, sm_scale=0.1)
+    args |= dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"], dtype)
+    return args | dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr", "sinks_ptr", "dsinks_ptr"], torch.float32)
+
+
+def _variant_specs(Dq: int, Dv: int, cfgs: AttnConfigs, variant: tuple, args: dict):
+    """The forward, dK/dV and dQ kernels of one variant (causal, alibi, docs, sinks, window)."""
+    causal, alibi, docs, sinks, window = variant
+    dtype = args["q_ptr"]
+    flags = head_dim_constexprs(Dq, Dv) | dict(CAUSAL=causal, ALIBI=alibi, UPCAST=False, DOCS=docs, WINDOW=window)
+    run_args = args | dict(doc_start_ptr=torch.int32 if docs else torch.float32,
+                           stride_db=args["S_K"] if docs else 0, window=128 if window else 0)
+    dims = f"D={Dq}" if Dq == Dv else f"D={Dq},Dv={Dv}"
+    tag = f"{dtype},{dims},causal={causal},alibi={alibi}" + "".join(
+        f",{name}=True" for name, on in (("docs", docs), ("sinks", sinks), ("window", window)) if on)
+    for name, kernel, cfg in (("fwd", _attn_fwd_kernel, cfgs.fwd), ("dkdv", _attn_bwd_dkdv_kernel, cfgs.dkdv),
+                              ("dq", _attn_bwd_dq_kernel, cfgs.dq)):
+        consts = flags | dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N)
+        if name == "fwd":
+            consts |= dict(SINKS=sinks)
+        yield KernelSpec(f"attention_{name}[{tag}]", kernel, run_args, consts, cfg.num_warps, cfg.num_stages)
 
 
 def compile_specs():
-    """Every shipped configuration, with arguments shaped like a Mixtral-8x7B layer (32 query
-    heads over 8 KV heads, 4k positions), for compiling ahead of time (see moetron.kernels.aot).
-    Each is compiled causal without ALiBi, documents, sinks or a window, the training case; some
-    also with those (_AOT_VARIANTS), to compile those code paths too (they use the same tiles).
-    Pointers a variant does not read are passed the logsumexp (fp32) and a batch stride of 0 or a
-    window of 0, as the launchers do."""
-    H, G, S = 32, 8, 4096  # batch strides as for one sequence: a kernel never steps past it
-    for (size, D), cfgs in SHIPPED_CONFIGS.items():
-        dtype = {2: torch.bfloat16, 4: torch.float32}[size]
-        q_strides = dict(stride_qb=H * S * D, stride_qh=S * D, stride_qs=D)
-        k_strides = dict(stride_kb=G * S * D, stride_kg=S * D, stride_ks=D)
-        v_strides = dict(stride_vb=G * S * D, stride_vg=S * D, stride_vs=D)
-        do_strides = dict(stride_dob=H * S * D, stride_doh=S * D, stride_dos=D)
-        scalars = dict(H=H, G=G, GROUP=H // G, S_Q=S, S_K=S, Q_OFFSET=0, qk_scale=0.1, sm_scale=0.1)
-        pointers = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr"], dtype)
-        pointers |= dict.fromkeys(["lse_ptr", "delta_ptr", "slopes_ptr", "sinks_ptr", "dsinks_ptr"], torch.float32)
-        args = pointers | q_strides | k_strides | v_strides | do_strides | scalars
-        args |= dict(stride_ob=H * S * D, stride_oh=S * D, stride_os=D)
-        variants = ((True, False, False, False, False),) + _AOT_EXTRA_VARIANTS.get((size, D), ())
-        for causal, alibi, docs, sinks, window in variants:
-            flags = dict(HEAD_DIM=D, CAUSAL=causal, ALIBI=alibi, UPCAST=False, DOCS=docs, WINDOW=window)
-            run_args = args | dict(doc_start_ptr=torch.int32 if docs else torch.float32, stride_db=S if docs else 0,
-                                   window=128 if window else 0)
-            tag = f"{dtype},D={D},causal={causal},alibi={alibi}" + "".join(
-                f",{name}=True" for name, on in (("docs", docs), ("sinks", sinks), ("window", window)) if on)
-            for name, kernel, cfg in (("fwd", _attn_fwd_kernel, cfgs.fwd), ("dkdv", _attn_bwd_dkdv_kernel, cfgs.dkdv),
-                                      ("dq", _attn_bwd_dq_kernel, cfgs.dq)):
-                consts = flags | dict(BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N)
-                if name == "fwd":
-                    consts |= dict(SINKS=sinks)
-                yield KernelSpec(f"attention_{name}[{tag}]", kernel, run_args, consts, cfg.num_warps,
-                                 cfg.num_stages)
-        for sinks in sorted({v[3] for v in variants}):
-            yield KernelSpec(f"attention_delta[{dtype},D={D}" + (",sinks=True]" if sinks else "]"),
-                             _attn_bwd_delta_kernel, args, dict(HEAD_DIM=D, BLOCK_M=cfgs.dq.BLOCK_M, SINKS=sinks), 4, 3)
+    """Every shipped configuration, for compiling ahead of time (see moetron.kernels.aot), with
+    arguments shaped like a real layer (_spec_args). Each tile width is compiled causal without
+    ALiBi, documents, sinks or a window, the training case; some also with those
+    (_AOT_EXTRA_VARIANTS), to compile those code paths too (they use the same tiles). Pointers a
+    variant does not read are passed the logsumexp (fp32) and a batch stride of 0 or a window of 0,
+    as the launchers do."""
+    plain = (True, False, False, False, False)
+    for (size, width), cfgs in SHIPPED_CONFIGS.items():
+        for i, (Dq, Dv) in enumerate(_AOT_HEAD_DIMS.get(width, ((width, width),))):
+            args = _spec_args(size, Dq, Dv)
+            # The extra variants run on the first head-dim pair of a width, the one a model uses.
+            variants = (plain,) + (_AOT_EXTRA_VARIANTS.get((size, width), ()) if i == 0 else ())
+            for variant in variants:
+                yield from _variant_specs(Dq, Dv, cfgs, variant, args)
+            dims = f"D={Dq}" if Dq == Dv else f"D={Dq},Dv={Dv}"
+            for sinks in sorted({v[3] for v in variants}):
+                consts = dict(HEAD_DV=Dv, BLOCK_DV=head_dim_constexprs(Dq, Dv)["BLOCK_DV"], BLOCK_M=cfgs.dq.BLOCK_M,
+                              SINKS=sinks)
+                yield KernelSpec(f"attention_delta[{args['q_ptr']},{dims}" + (",sinks=True]" if sinks else "]"),
+                                 _attn_bwd_delta_kernel, args, consts, 4, 3)

@@ -155,8 +155,9 @@ class MLAttention(nn.Module):
         return torch.cat([k_nope_BHLDn, k_rope_BHLDr], dim=-1), v_BHLDv
 
     def _attend(self, q_BHSDq, k_BHLDq, v_BHLDv, positions_S=None, doc_start_BL=None) -> torch.Tensor:
-        """softmax(q·kᵀ · scale + mask) v → (B, H, S, Dv). Eager and SDPA take Dv ≠ Dq as is; queries
-        at `positions_S` (context parallelism) take the explicit-mask path, as in Attention."""
+        """softmax(q·kᵀ · scale + mask) v → (B, H, S, Dv). Every backend (eager, SDPA, the flash kernel)
+        takes Dv ≠ Dq as is; queries at `positions_S` (context parallelism) take the explicit-mask
+        path, as in Attention."""
         S, L = q_BHSDq.shape[2], k_BHLDq.shape[2]
         if self.backend == "triton" and positions_S is None:
             return self._flash(q_BHSDq, k_BHLDq, v_BHLDv, doc_start_BL)
@@ -170,19 +171,12 @@ class MLAttention(nn.Module):
                                               attn_mask=None if bias is None else bias.to(q_BHSDq.dtype))
 
     def _flash(self, q_BHSDq, k_BHLDq, v_BHLDv, doc_start_BL) -> torch.Tensor:
-        """The flash kernel takes one head dim for q, k and v: v is padded with zeros to Dq and the
-        output sliced back to Dv (the zero columns of v give zero output columns). The kernel's head
-        dims are 32, 64 and 128, so this runs for Dq among them (not V3's 192: it raises)."""
+        """The flash kernel takes q/k's head dim Dq and v's Dv apart (V3: 192 and 128), so v goes in
+        as it is and the output comes out Dv wide."""
         from moetron.kernels.flash_attention import flash_attention
 
-        pad = self.qk_dim - self.v_dim
-        if pad < 0:
-            raise ValueError(f"mla.v_head_dim ({self.v_dim}) > qk head dim ({self.qk_dim}): the flash kernel "
-                             f"(attention: triton) takes v no wider than q; use sdpa or eager")
-        v_BHLDq = F.pad(v_BHLDv, (0, pad))
-        o_BHSDq = flash_attention(q_BHSDq, k_BHLDq, v_BHLDq, causal=self.causal, softmax_scale=self.scale,
-                                  doc_start_BS=doc_start_BL, backend=self.kernel_backend)
-        return o_BHSDq[..., : self.v_dim]
+        return flash_attention(q_BHSDq, k_BHLDq, v_BHLDv, causal=self.causal, softmax_scale=self.scale,
+                               doc_start_BS=doc_start_BL, backend=self.kernel_backend)
 
     def init_weights(self, std: float, out_std: float) -> None:
         norms = (self.q_norm, self.kv_norm) if self.q_lora_rank else (self.kv_norm,)

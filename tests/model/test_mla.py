@@ -79,7 +79,7 @@ def test_mla_equals_its_formulas(q_lora_rank, backend):
 
 
 def test_backends_agree_with_packed_documents_and_the_flash_kernel():
-    """Dq = 32 (a flash-kernel head dim) and Dv = 16: the triton path pads v to 32 and slices back."""
+    """Dq = 32 and Dv = 16: the flash kernel takes the two head dims apart."""
     mla = MLAConfig(kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16)
     torch.manual_seed(1)
     attn = MLAttention.from_config(tiny(mla=mla))
@@ -97,6 +97,32 @@ def test_backends_agree_with_packed_documents_and_the_flash_kernel():
     # The first document's positions do not see past it; the second's do not see before it.
     torch.testing.assert_close(outs["eager"][1][0, :4], outs["eager"][0][0, :4])
     assert not torch.allclose(outs["eager"][1][0, 4:], outs["eager"][0][0, 4:])
+
+
+@pytest.mark.parametrize("nope,rope,v_dim", [(32, 16, 32), (8, 8, 24)])
+def test_flash_kernel_takes_v3_head_dims_forward_and_gradients(nope, rope, v_dim):
+    """DeepSeek-V3's head dims at a quarter of their width: Dq = 32 + 16 = 48 (not a power of two, as
+    V3's 192) beside Dv = 32; and v wider than q/k (Dq = 16, Dv = 24). The triton backend (the flash
+    kernel, interpreted) gives eager's and SDPA's output and the gradients of every weight and of x."""
+    mla = MLAConfig(kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v_dim)
+    torch.manual_seed(5)
+    attn = MLAttention.from_config(tiny(mla=mla, n_heads=2))
+    attn.init_weights(0.2, 0.2)
+    x_BSD = torch.randn(2, 9, 32)
+    rope_cs = rope_cos_sin(torch.arange(9), rope_inv_freq(rope, 10000.0))
+    doc_start_BL = torch.tensor([[0] * 4 + [4] * 5, [0] * 9])
+    results = {}
+    for backend in ("eager", "sdpa", "triton"):
+        attn.backend, attn.kernel_backend = backend, "interpret"
+        attn.zero_grad()
+        x = x_BSD.clone().requires_grad_()
+        outs = (attn(x, rope=rope_cs), attn(x, rope=rope_cs, doc_start_BL=doc_start_BL))
+        (outs[0].square().sum() + outs[1].sin().sum()).backward()
+        results[backend] = [*outs, x.grad] + [p.grad.clone() for p in attn.parameters()]
+    for backend in ("sdpa", "triton"):
+        for got, want in zip(results[backend], results["eager"]):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert all(g.abs().sum() > 0 for g in results["triton"][2:])
 
 
 def test_mla_matches_transformers_deepseek_v3_attention():
