@@ -7,12 +7,15 @@ a fresh process as a user would run it (interpreter start and imports included):
   moetron convert --to-hf CKPT --out HF2                  and back, in shards of the source's size
   transformers from_pretrained(HF) + save_pretrained(HF3) the same files through transformers
                                                           (load and save also timed on their own)
-Peak RSS is each process's high-water resident set (VmHWM). The round trip is checked byte for byte
+Peak RSS is each process's high-water resident set (VmHWM); CPU seconds (user + system) are each
+child's, steadier than wall seconds on a shared machine. The round trip is checked byte for byte
 against the source.
 Prints a table and one JSON line.
 
     python bench/convert_speed.py                 # 2 GB in 4 shards
     python bench/convert_speed.py --gb 8 --shards 8 --dir /scratch/convert-bench
+    python bench/convert_speed.py --gb 1 --shards 16 --experts 128 --d-ff 512   # a stack of experts
+                                                  # (134 MB) larger than a shard (64 MB)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import argparse
 import filecmp
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -62,12 +66,14 @@ print(json.dumps({{"rc": 0, "load_s": t1 - t0, "save_s": t2 - t1, "peak_kib": {P
 """
 
 
-def mixtral_of(gb: float) -> ModelConfig:
-    """A Mixtral-shaped config (GQA, 8 experts, top-2) of about `gb` GB in bf16: layers fill the size."""
+def mixtral_of(gb: float, experts: int = 8, d_ff: int | None = None) -> ModelConfig:
+    """A Mixtral-shaped config (GQA, top-2 of `experts`) of about `gb` GB in bf16: layers fill the
+    size (at least one). A narrow `d_ff` with many experts makes a stack of experts larger than a
+    shard while the model stays small."""
     wide = gb >= 0.25
     d, f, vocab = (1024, 2048, 32000) if wide else (128, 256, 1024)
     base = ModelConfig(vocab_size=vocab, d_model=d, n_layers=1, n_heads=16 if wide else 4, n_kv_heads=4,
-                       d_ff=f, max_seq_len=4096, rope_theta=1e6, moe=MoEConfig(num_experts=8, top_k=2))
+                       d_ff=d_ff or f, max_seq_len=4096, rope_theta=1e6, moe=MoEConfig(num_experts=experts, top_k=2))
     one, per_layer = params_total(base), params_total(base.replace(n_layers=2)) - params_total(base)
     layers = max(1, 1 + round((gb * 1e9 / 2 - one) / per_layer))
     return base.replace(n_layers=layers)
@@ -102,18 +108,22 @@ def write_source(cfg: ModelConfig, folder: Path, shards: int) -> int:
 
 
 def timed(argv: list[str]) -> dict:
-    """Run one child; → its JSON line plus the wall seconds it took."""
+    """Run one child; → its JSON line plus the wall seconds it took and its CPU seconds (user +
+    system: steadier than wall time on a shared machine)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if out.returncode != 0:
         raise SystemExit(f"{' '.join(argv[:4])}…: exit {out.returncode}\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    return {**result, "seconds": seconds, "peak_rss_gb": result["peak_kib"] * 1024 / 1e9}
+    return {**result, "seconds": seconds, "cpu_s": cpu, "peak_rss_gb": result["peak_kib"] * 1024 / 1e9}
 
 
-def run(gb: float, shards: int, base: Path) -> dict:
-    cfg = mixtral_of(gb)
+def run(gb: float, shards: int, base: Path, experts: int = 8, d_ff: int | None = None) -> dict:
+    cfg = mixtral_of(gb, experts, d_ff)
     hf, ckpt, back, theirs = base / "hf", base / "ckpt", base / "hf-back", base / "hf-transformers"
     t0 = time.perf_counter()
     max_shard = write_source(cfg, hf, shards)
@@ -128,7 +138,8 @@ def run(gb: float, shards: int, base: Path) -> dict:
     shutil.rmtree(back)
     tf = timed([sys.executable, "-c", TRANSFORMERS, str(hf), str(theirs), str(max_shard)])
     return {"bench": "convert_speed", "bytes": size, "shards": len(files), "max_shard_bytes": max_shard,
-            "layers": cfg.n_layers,
+            "layers": cfg.n_layers, "experts": cfg.moe.num_experts, "d_ff": cfg.d_ff,
+            "expert_stack_bytes": cfg.moe.num_experts * cfg.d_model * cfg.d_ff * DTYPE.itemsize,
             "parameters": size // 2, "write_source_s": built, "round_trip_identical": identical,
             "from_hf": from_hf, "to_hf": to_hf, "transformers": tf, "threads": torch.get_num_threads(),
             "torch": torch.__version__}
@@ -137,19 +148,22 @@ def run(gb: float, shards: int, base: Path) -> dict:
 def print_table(r: dict) -> None:
     size = f"{r['bytes'] / 1e9:.2f} GB" if r["bytes"] >= 1e9 else f"{r['bytes'] / 1e6:.1f} MB"
     print(f"convert speed: a random Mixtral-family folder, {size} bf16 ({r['parameters'] / 1e6:,.0f}M "
-          f"parameters, {r['layers']} layers) in {r['shards']} shards of ≤ {r['max_shard_bytes'] / 1e6:,.0f} MB; "
+          f"parameters, {r['layers']} layers, {r['experts']} experts: a stack of experts "
+          f"{r['expert_stack_bytes'] / 1e6:,.0f} MB) in {r['shards']} shards of ≤ {r['max_shard_bytes'] / 1e6:,.0f} MB; "
           f"{os.cpu_count()} CPU cores; each row one fresh process (start and imports included)")
     f, t, tf = r["from_hf"], r["to_hf"], r["transformers"]
-    rows = [("moetron convert --from-hf (HF → checkpoint)", f["seconds"], f["peak_rss_gb"]),
-            ("moetron convert --to-hf (checkpoint → HF)", t["seconds"], t["peak_rss_gb"]),
-            ("moetron, both ways", f["seconds"] + t["seconds"], max(f["peak_rss_gb"], t["peak_rss_gb"])),
-            ("transformers from_pretrained + save_pretrained", tf["seconds"], tf["peak_rss_gb"]),
-            ("  of which from_pretrained", tf["load_s"], None),
-            ("  of which save_pretrained", tf["save_s"], None)]
-    print(f"| {'step':<48} | {'seconds':>8} | {'peak RSS GB':>11} |")
-    print(f"|{'-' * 50}|{'-' * 10}|{'-' * 13}|")
-    for name, seconds, rss in rows:
-        print(f"| {name:<48} | {seconds:>8.1f} | {'' if rss is None else f'{rss:.2f}':>11} |")
+    rows = [("moetron convert --from-hf (HF → checkpoint)", f["seconds"], f["cpu_s"], f["peak_rss_gb"]),
+            ("moetron convert --to-hf (checkpoint → HF)", t["seconds"], t["cpu_s"], t["peak_rss_gb"]),
+            ("moetron, both ways", f["seconds"] + t["seconds"], f["cpu_s"] + t["cpu_s"],
+             max(f["peak_rss_gb"], t["peak_rss_gb"])),
+            ("transformers from_pretrained + save_pretrained", tf["seconds"], tf["cpu_s"], tf["peak_rss_gb"]),
+            ("  of which from_pretrained", tf["load_s"], None, None),
+            ("  of which save_pretrained", tf["save_s"], None, None)]
+    print(f"| {'step':<48} | {'seconds':>8} | {'CPU s':>7} | {'peak RSS GB':>11} |")
+    print(f"|{'-' * 50}|{'-' * 10}|{'-' * 9}|{'-' * 13}|")
+    for name, seconds, cpu, rss in rows:
+        print(f"| {name:<48} | {seconds:>8.1f} | {'' if cpu is None else f'{cpu:.1f}':>7} | "
+              f"{'' if rss is None else f'{rss:.2f}':>11} |")
     print(f"round trip HF → moetron → HF byte-identical: {'yes' if r['round_trip_identical'] else 'NO'}")
 
 
@@ -157,11 +171,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, default=2.0, help="size of the random Hugging Face folder (bf16)")
     p.add_argument("--shards", type=int, default=4, help="safetensors files it is cut into")
+    p.add_argument("--experts", type=int, default=8, help="experts per MoE layer")
+    p.add_argument("--d-ff", type=int, default=None, help="expert hidden size (default 2048; 256 below 0.25 GB)")
     p.add_argument("--dir", default=None, help="where to write (default: a temporary folder; removed after)")
     args = p.parse_args()
     base = Path(tempfile.mkdtemp(prefix="moetron-convert-bench-", dir=args.dir))
     try:
-        result = run(args.gb, args.shards, base)
+        result = run(args.gb, args.shards, base, args.experts, args.d_ff)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_table(result)

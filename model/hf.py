@@ -73,7 +73,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # therefore use only ops that work on meta tensors, read tensors only through `get` and
 # `model.state_dict()` (a mapping that may load each tensor as it is looked up: look each up
 # once, in the order you yield), use nothing of `model` but `.cfg` and `.state_dict()` (it may
-# be a `Weights`, below), and yield in the same order every time.
+# be a `Weights`, below), and yield in the same order every time. A stacked expert tensor
+# ([E, ...]) of `model.state_dict()` may be a `Rows` (model/hf_files.py) that reads one expert at a
+# time: index it by expert (`w_E[e]`), and yield what is built from a whole stack as a `Rows` too.
 _FAMILY_MODULES: dict[str, str] = {"gpt_oss": "hf_gpt_oss", "deepseek_v2": "hf_deepseek", "deepseek_v3": "hf_deepseek",
                                    "qwen2_moe": "hf_qwen2_moe"}
 
@@ -452,7 +454,7 @@ def plan_to_hf(cfg: ModelConfig, meta: Mapping[str, torch.Tensor]) -> list[tuple
     the model's tensors as meta tensors (shapes and dtypes, no data); ValueError naming a tensor
     of the model that the family's folder has no place for (it would be lost)."""
     looked = _Looked(meta)
-    plan = [(name, torch.empty_like(t, device="meta")) for name, t in tensors_to_hf(Weights(cfg, looked))]
+    plan = [(name, torch.empty(t.shape, dtype=t.dtype, device="meta")) for name, t in tensors_to_hf(Weights(cfg, looked))]
     unread = sorted(set(meta) - looked.looked - ({"head.weight"} if cfg.tie_embeddings else set()))
     if unread:
         more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""

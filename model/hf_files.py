@@ -6,6 +6,10 @@ A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
 tensors' bytes back to back, offsets counted from the end of the header. A sharded folder adds
 model.safetensors.index.json ({"metadata": {"total_size"}, "weight_map": {name: file}}).
 
+A tensor to write may be a `Rows`: an [N, ...] tensor produced one row at a time (one expert's
+matrix of a stacked [E, ...] weight), written row by row, so that a stack larger than a shard is
+never held whole.
+
 Why not `safetensors.safe_open`: it memory-maps the file, and every page a read touches stays
 in the process's resident memory until the file is closed, so reading a folder tensor by tensor
 with the files open grows the resident set to the whole checkpoint. Plain reads into fresh
@@ -33,6 +37,33 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+class Rows:
+    """A tensor [N, ...] never held whole: `rows[i]` produces row i ([...], contiguous or not),
+    each call anew. What `write_shard` needs of a tensor (shape, dtype, sizes) without its data."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, row: Callable[[int], torch.Tensor]):
+        self.shape, self.dtype, self._row = torch.Size(shape), dtype, row
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not 0 <= i < len(self):
+            raise IndexError(f"row {i} of a tensor of {len(self)} rows")
+        return self._row(i)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...] | None = None,
+            dtype: torch.dtype | None = None) -> Rows:
+        """Rows whose row i is fn(self[i]), of `shape` and `dtype` (default: these)."""
+        return Rows(shape or self.shape, dtype or self.dtype, lambda i: fn(self[i]))
 
 
 class SafetensorsFile:
@@ -143,10 +174,11 @@ def shard_names(n: int) -> list[str]:
     return [WEIGHTS_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
 
-def write_shard(path: Path, plan: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor]],
+def write_shard(path: Path, plan: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor | Rows]],
                 on_tensor: Callable[[int], None] | None = None) -> None:
     """Write one safetensors file holding `plan`'s tensors (names, shapes, dtypes: meta tensors
-    will do) with the data `tensors` yields, in the same order, written as each arrives."""
+    will do) with the data `tensors` yields, in the same order, written as each arrives (a `Rows`
+    a row at a time)."""
     header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in plan:
@@ -164,10 +196,23 @@ def write_shard(path: Path, plan: list[tuple[str, torch.Tensor]], tensors: Itera
             if name != want or tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
                 raise ValueError(f"{path}: expected {want} {list(meta.shape)} {meta.dtype}, got {name} "
                                  f"{list(tensor.shape)} {tensor.dtype}")
-            flat = tensor.detach().cpu().contiguous().reshape(-1)
-            f.write(memoryview(flat.view(torch.uint8).numpy()))
+            pieces = (tensor[i] for i in range(len(tensor))) if isinstance(tensor, Rows) else (tensor,)
+            written = sum(_write_tensor(f, piece, meta.dtype) for piece in pieces)
+            nbytes = meta.numel() * meta.element_size()
+            if written != nbytes:
+                raise ValueError(f"{path}: {want} came to {written} bytes, its shape takes {nbytes}")
             if on_tensor is not None:
-                on_tensor(flat.numel() * flat.element_size())
+                on_tensor(nbytes)
+
+
+def _write_tensor(f, tensor: torch.Tensor, dtype: torch.dtype) -> int:
+    """`tensor`'s bytes, row-major, at `f`'s position (a copy only when it is not contiguous);
+    → how many."""
+    if tensor.dtype != dtype:
+        raise ValueError(f"{f.name}: a piece of dtype {tensor.dtype} where {dtype} was planned")
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    f.write(memoryview(flat.view(torch.uint8).numpy()))
+    return flat.numel() * flat.element_size()
 
 
 def write_index(folder: Path, shards: list[list[tuple[str, torch.Tensor]]], names: list[str]) -> None:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from moetron.model.config import ModelConfig, MoEConfig
+from moetron.model.hf_files import Rows
 
 FAMILY = "gpt_oss"
 # GptOssConfig's defaults, for keys a config.json leaves out (rope: its YaRN default, below).
@@ -260,9 +261,13 @@ def _experts_to_hf(sd, ours: str, hf: str, biased: bool) -> Iterator[tuple[str, 
     """One layer's experts in GPT-OSS's fused, interleaved layout (zero biases unless `biased`)."""
     gate_EDF, up_EDF, down_EFD = sd[f"{ours}w_gate_EDF"], sd[f"{ours}w_up_EDF"], sd[f"{ours}w_down_EFD"]
     E, D, F = gate_EDF.shape
+    dtype = gate_EDF.dtype
     b_gate_EF, b_up_EF, b_down_ED = ((sd[f"{ours}b_gate_EF"], sd[f"{ours}b_up_EF"], sd[f"{ours}b_down_ED"]) if biased
-                                     else (gate_EDF.new_zeros(E, F), gate_EDF.new_zeros(E, F), gate_EDF.new_zeros(E, D)))
-    yield f"{hf}gate_up_proj", torch.stack([gate_EDF, up_EDF], dim=-1).flatten(-2).contiguous()
+                                     else (torch.zeros(E, F, dtype=dtype), torch.zeros(E, F, dtype=dtype),
+                                           torch.zeros(E, D, dtype=dtype)))
+    # Built an expert at a time: the stacks may be `Rows` read from a checkpoint one expert at a time.
+    yield f"{hf}gate_up_proj", Rows((E, D, 2 * F), dtype,
+                                    lambda e: torch.stack([gate_EDF[e], up_EDF[e]], dim=-1).flatten(-2))
     yield f"{hf}gate_up_proj_bias", torch.stack([b_gate_EF, b_up_EF], dim=-1).flatten(-2).contiguous()
-    yield f"{hf}down_proj", down_EFD.contiguous()
+    yield f"{hf}down_proj", down_EFD
     yield f"{hf}down_proj_bias", b_down_ED.contiguous()

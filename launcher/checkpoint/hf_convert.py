@@ -4,19 +4,24 @@ From Hugging Face: the folder's headers are checked against the family's mapping
 tensor read, none left over, every shape the config's: model/hf.py `plan_from_hf`), so a folder
 that cannot convert is refused before anything is written. Then DCP writes the checkpoint from a
 plan of meta tensors, in the mapping's order, and pulls each tensor's data from the safetensors
-files only when its turn comes (`_PullingSavePlanner`); each tensor goes to a file of its own,
-because DCP's writer keeps every tensor of a file referenced until that file is closed.
+files only when its turn comes (`_PullingSavePlanner`); each tensor goes to a file of its own, because
+DCP's writer keeps every tensor of a file referenced until that file is closed. The files are
+synced once, at the end, before the folder is renamed into place.
 
 To Hugging Face: the checkpoint's metadata gives the model's tensors as meta tensors, from which
-the safetensors shards are planned; then each tensor is read from the checkpoint's shards when
-the mapping looks it up (`CheckpointTensors`) and written to its shard at once.
+the safetensors shards are planned; then each tensor is read from the checkpoint's shards
+(launcher/checkpoint/shard_reader.py) when the mapping looks it up (`CheckpointTensors`) and
+written to its shard at once; a stack of experts is read, converted and written an expert at a
+time (a `Rows`), so a stack larger than a shard is never held.
 
-Either way the resident memory stays near the few tensors one converted tensor needs (a
-layer's stacked experts, and the pieces they are made of), whatever the model's size.
+The resident memory stays near the few tensors one converted tensor needs, whatever the model's
+size: to Hugging Face, about the largest tensor written whole (at most a shard); from it, a
+layer's stacked experts and the pieces they are made of.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -28,6 +33,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetron.launcher.checkpoint.io import CheckpointError, SafeFileSystemReader, SafeLoadPlanner, read_state
+from moetron.launcher.checkpoint.shard_reader import ShardReader
 from moetron.launcher.checkpoint.state import dcp_call
 from moetron.launcher.checkpoint.weights import (
     TOKENIZER_FILE,
@@ -45,6 +51,7 @@ from moetron.model.hf import (
     read_from_hf,
     write_hf,
 )
+from moetron.model.hf_files import Rows
 
 OnTensor = Callable[[int], None]
 
@@ -74,16 +81,38 @@ class _PullingSavePlanner(DefaultSavePlanner):
 def save_streamed(folder: Path, plan: dict[str, torch.Tensor], tensors: Iterator[tuple[str, torch.Tensor]],
                   on_tensor: OnTensor | None = None) -> None:
     """Write DCP shards of the model tensors `plan` lists (meta tensors, in writing order) into
-    `folder`, their data pulled from `tensors` as the writer reaches each."""
-    writer = FileSystemWriter(str(folder), single_file_per_rank=False, thread_count=1)
+    `folder`, their data pulled from `tensors` as the writer reaches each. The shards are synced
+    to disk once, all written (`sync_folder`), rather than each as it closes: the disk writes one
+    back while the next is read, instead of the conversion waiting on each."""
+    writer = FileSystemWriter(str(folder), single_file_per_rank=False, sync_files=False)
     dcp_call(dcp.save, {"model": plan}, storage_writer=writer, planner=_PullingSavePlanner(tensors, on_tensor),
              no_dist=True)
+    sync_folder(folder)
 
 
-class CheckpointTensors(Mapping[str, torch.Tensor]):
+def sync_folder(folder: Path) -> None:
+    """fsync every file of `folder`, then the folder itself (its entries)."""
+    for path in sorted(folder.iterdir()):
+        if path.is_file():
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor | Rows]):
     """A checkpoint's model tensors by parameter name, each read from the shards when it is
-    looked up (the last one kept for a second look) and converted to `dtype`. The checkpoint
-    is taken as found: verify it first (`resolve_checkpoint`)."""
+    looked up and converted to `dtype`: a stack of experts (3 dims or more) as `Rows`, read an
+    expert at a time when its rows are asked for, any other tensor whole (the last one kept for a
+    second look). The checkpoint is taken as found: verify it first (`resolve_checkpoint`);
+    `close` the shard files when done."""
+
+    # Rows converted to `dtype` at a time, for a tensor saved in another dtype: the saved copy is
+    # never held whole beside the converted one.
+    BLOCK_BYTES = 64 << 20
 
     def __init__(self, ckpt: Path, dtype: torch.dtype):
         self.reader = SafeFileSystemReader(ckpt)
@@ -92,6 +121,7 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
                       if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
         if not self.saved:
             raise CheckpointError(f"{ckpt}: holds no model tensors")
+        self.shards = ShardReader(ckpt, metadata)
         self.dtype = dtype
         self._last: tuple[str, torch.Tensor] | None = None
 
@@ -99,16 +129,33 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         """Every tensor's shape, in `dtype`, no data."""
         return {k: torch.empty(tuple(md.size), dtype=self.dtype, device="meta") for k, md in self.saved.items()}
 
-    def __getitem__(self, name: str) -> torch.Tensor:
+    def __getitem__(self, name: str) -> torch.Tensor | Rows:
+        size = tuple(self.saved[name].size)
+        if len(size) >= 3 and self.shards.readable(f"model.{name}"):
+            return Rows(size, self.dtype, lambda e: self._rows(name, e, e + 1)[0])
         if self._last is not None and self._last[0] == name:
             return self._last[1]
         self._last = None  # let go of the previous tensor before reading the next
-        md = self.saved[name]
-        tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-        dcp_call(dcp.load, {"model": {name: tensor}}, storage_reader=self.reader, planner=SafeLoadPlanner(),
-                 no_dist=True)
-        self._last = (name, tensor.to(self.dtype))
+        self._last = (name, self._whole(name))
         return self._last[1]
+
+    def _rows(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        return self.shards.read_rows(f"model.{name}", lo, hi).to(self.dtype)
+
+    def _whole(self, name: str) -> torch.Tensor:
+        md = self.saved[name]
+        if not self.shards.readable(f"model.{name}"):
+            tensor = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+            dcp_call(dcp.load, {"model": {name: tensor}}, storage_reader=self.reader, planner=SafeLoadPlanner(),
+                     no_dist=True)
+            return tensor.to(self.dtype)
+        if len(md.size) == 0 or md.properties.dtype == self.dtype:
+            return self._rows(name, 0, md.size[0] if len(md.size) else 0)
+        out = torch.empty(tuple(md.size), dtype=self.dtype)
+        step = max(1, self.BLOCK_BYTES // max(1, out[0].numel() * md.properties.dtype.itemsize))
+        for lo in range(0, len(out), step):
+            out[lo:lo + step] = self._rows(name, lo, min(lo + step, len(out)))
+        return out
 
     def __contains__(self, name: object) -> bool:
         return name in self.saved  # without reading it
@@ -118,6 +165,10 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.saved)
+
+    def close(self) -> None:
+        self._last = None
+        self.shards.close()
 
 
 def from_hf(src: Path, out: Path, *, dtype: torch.dtype | None = None,
@@ -175,6 +226,8 @@ def to_hf(ckpt: Path, out: Path, *, dtype: torch.dtype | None = None, max_shard_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        tensors.close()
     if out.exists():
         out.rmdir()
     tmp.rename(out)
