@@ -102,9 +102,11 @@ class Timer:
             import triton.testing
 
             return triton.testing.do_bench(fn, warmup=max(10, self.rep_ms // 4), rep=self.rep_ms, return_mode="median")
-        fn()
-        times = []
-        for _ in range(3):
+        # No warm-up call: each kernel timed here has already run once (checked against torch) and
+        # the interpreter compiles nothing. Calls repeat until rep_ms is spent: a slow interpreted
+        # call is timed once, torch's fast ones many times (the median drops their first).
+        times, deadline = [], time.perf_counter() + self.rep_ms * 1e-3
+        while not times or time.perf_counter() < deadline:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)

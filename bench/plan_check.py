@@ -6,7 +6,7 @@ time of several layouts of one config on 4 gloo ranks, with the calibrated `cpu`
     python bench/plan_check.py --layouts dp4_fsdp tp2_ep2 --steps 6
 
 One `torchrun --nproc-per-node 4` launch runs each layout in turn with the trainer's pieces
-(`build_parallel_model`, `build_optimizer`, `train_step`): two warm-up steps, then `--steps` timed
+(`build_parallel_model`, `build_optimizer`, `train_step`): `--warmup` steps (2), then `--steps` timed
 steps (median, all ranks in step), one step under bench/comm_volume.py's `CollectiveCounter`
 (bytes summed over ranks, nccl-tests' size), and one under an allocator probe:
   memory, measured  bytes of this rank's parameters and optimizer state (counted tensors) plus the
@@ -87,7 +87,7 @@ def layout_config(name: str, world_size: int = RANKS):
     return load_config(TINY, [*BASE, *LAYOUTS[name]], world_size=world_size)
 
 
-def measure(name: str, steps: int) -> dict:
+def measure(name: str, steps: int, warmup: int = 2) -> dict:
     import torch.distributed as dist
     from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
     from gloo_ranks import local_part  # bench/gloo_ranks.py, beside this script
@@ -107,7 +107,7 @@ def measure(name: str, steps: int) -> dict:
         return train_step(pm, optimizer, batch, grad_accum=t.grad_accum, grad_clip=t.grad_clip,
                           autocast=contextlib.nullcontext)
 
-    for _ in range(2):
+    for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
@@ -177,17 +177,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (the counted and probed steps follow the timed ones, so "
+                        "0 still measures bytes and memory on a step after the first; step times want more)")
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         from gloo_ranks import each_on_gloo  # bench/gloo_ranks.py, beside this script
 
-        raise SystemExit(each_on_gloo(lambda name: measure(name, args.steps), args.worker))
+        raise SystemExit(each_on_gloo(lambda name: measure(name, args.steps, args.warmup), args.worker))
     from moetron.launcher.perf.device_profiles import get_profile
 
     profile = get_profile("cpu")  # fails early, with the command to run, when not calibrated
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}", __file__,
-           "--steps", str(args.steps), "--worker", *args.layouts]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--worker", *args.layouts]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or len(runs) != len(args.layouts):

@@ -20,11 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from moetron.launcher.checkpoint.store import Checkpointer
 from moetron.launcher.cli.main import main
-from moetron.launcher.run_dir import checkpoint_step
-from moetron.launcher.train import trainer
-from moetron.launcher.train.checkpointer import CheckpointManager
 
 
 def pauses_here() -> dict[str, int]:
@@ -47,6 +43,16 @@ def hold(where: str, step: int, until_signalled: bool) -> None:
 
 
 def install(pauses: dict[str, int]) -> None:
+    """Wrap the functions `pauses` holds in. Imported here, not at the top: a rank with no pause,
+    or one refused at the start, loads the training stack only when `moetron train` does (a
+    restart's ranks are new processes, and the stack takes seconds of CPU to import)."""
+    if not pauses:
+        return
+    from moetron.launcher.checkpoint.store import Checkpointer
+    from moetron.launcher.run_dir import checkpoint_step
+    from moetron.launcher.train import trainer
+    from moetron.launcher.train.checkpointer import CheckpointManager
+
     if "after" in pauses:
         after_step = CheckpointManager.after_step
 

@@ -39,7 +39,9 @@ SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1", "train.warmup_steps=1",
          "train.threads=1", "train.peak_tflops=1", "train.checkpoint.every=2", "train.precision=fp32",
          f"train.steps={STEPS}"]
-RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=5,is_host=false"
+# A dead node is noticed after 3 missed 1-s heartbeats (each one the wait of a restart after a kill);
+# a smaller world forms 3 s after its first node (agents started together must all arrive within it).
+RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,is_host=false"
 
 
 def profile_env(folder: Path, memory_bytes: float) -> dict:
@@ -133,7 +135,9 @@ def starts(run: Path) -> list[tuple[int, int]]:
 
 def assert_same_curve(got: dict[int, float], want: dict[int, float]) -> None:
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
-    for step in want:  # the same global batch on other layouts: equal up to summation order
+    # The same global batch on other layouts: equal up to summation order and the balance loss of
+    # micro-batches of other sizes (README, Losing nodes; bench/elastic_recovery.py measures both).
+    for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-4), (step, got[step], want[step])
 
 
