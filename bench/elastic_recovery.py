@@ -8,16 +8,20 @@ the last step. The same config is also trained uninterrupted on 4 ranks (the sam
 
     python bench/elastic_recovery.py                       # 60 steps, killed at 35, checkpoints every 10
     python bench/elastic_recovery.py --png loss.png        # and both loss curves
+    python bench/elastic_recovery.py --set model.moe.aux_loss_coef=0   # with config overrides
 
 Prints a table and one JSON line: the steps trained again (those after the checkpoint resumed from),
 seconds from the kill to each stage of the recovery (from the arrival of the console lines: the new
 world's layout planned, the checkpoint loaded, the next optimizer step done), and the largest
 relative difference of a step's loss from the uninterrupted run's, in the 10 steps after the
-resume and in all, and for how many steps after the resume it stays within 1e-4. The two runs
-reduce their gradients over 4 and then 2 ranks, in another order; AdamW and the routers amplify
-those rounding differences step by step, so they grow with the steps trained since the resume.
-A third run separates that from the recovery itself: 2 ranks started by hand from the checkpoint
-the recovery resumed from; the recovered steps must equal its.
+resume and in all, and for how many steps after the resume it stays within 1e-4. Two more runs
+separate the recovery from the change of layout: 2 ranks started by hand from the checkpoint the
+recovery resumed from (the recovered steps must equal its), and 2 ranks trained uninterrupted from
+step 0 against the 4 (no failure: the same drift, if the layout alone causes it). What drifts:
+the balance loss (model.moe.aux_loss_type micro_batch) is Switch's over each micro-batch, which
+holds 4 sequences on dp4 and 8 on dp2, so the two layouts train a slightly different objective;
+and they sum in another order. The routers' top-k turn these small differences into other routes,
+and AdamW carries them on, so they grow with the steps (README, Losing nodes).
 
 The recovery is restart-from-checkpoint: no state survives in memory. The planner sees a fixed cpu
 profile (in a private cache), so every machine plans dp4 → dp2; the rendezvous store is hosted by
@@ -138,6 +142,14 @@ def uninterrupted(root: Path, port: int, overrides: list[str], env: dict) -> tup
     return losses(root / "straight"), time.perf_counter() - t0
 
 
+def uninterrupted_small(root: Path, port: int, overrides: list[str], env: dict) -> dict[int, float]:
+    """The same config trained by 2 ranks from step 0, without a failure: the layout's own drift."""
+    agents = Agents(root, "straight2", port, overrides, env, nodes=1)
+    agents.start("a")
+    agents.wait()
+    return losses(root / "straight2")
+
+
 def resumed_by_hand(root: Path, port: int, overrides: list[str], env: dict, checkpoint: Path) -> dict[int, float]:
     """The steps after `checkpoint` trained by 2 ranks started for it: what the recovery should equal."""
     agents = Agents(root, "by_hand", port, overrides, env, nodes=1)
@@ -167,6 +179,14 @@ def interrupted(root: Path, port: int, overrides: list[str], env: dict, fail_at:
             "starts": [json.loads(s) for s in (root / "elastic" / "layouts.jsonl").read_text().splitlines()]}
 
 
+def control_drift(small: dict[int, float], want: dict[int, float]) -> dict:
+    """2 ranks against 4, both uninterrupted: the largest relative difference in the first 10 steps
+    and in all, and for how many steps from the first it stays within 1e-4."""
+    rel = [abs(small[s] - want[s]) / abs(want[s]) for s in sorted(want)]
+    return {"control_max_10": max(rel[:10]), "control_max": max(rel),
+            "control_within_1e-4": next((i for i, d in enumerate(rel) if d > 1e-4), len(rel))}
+
+
 def environment(cache: Path) -> dict:
     """A private cache holding a fixed cpu profile, one thread a rank, a store per world."""
     from moetron.launcher.perf.device_profiles import DeviceProfile, save_profile
@@ -182,12 +202,14 @@ def table(r: dict) -> str:
             "kill → checkpoint loaded (s)", "kill → next optimizer step (s)",
             "max rel. loss diff, 10 steps after / all (vs uninterrupted)", "steps after within 1e-4",
             "vs the same resume by hand",
+            "2 vs 4 ranks, no failure: max rel. diff 10 first / all, steps within 1e-4",
             "wall s (uninterrupted)"]
     worlds = " → ".join(str(s["world_size"]) for s in r["starts"])
     row = [worlds, r["trained_before_kill"], r["resumed_from"], r["redone"], f"{r['to_layout_s']:.1f}",
            f"{r['to_loaded_s']:.1f}", f"{r['to_next_step_s']:.1f}",
            f"{r['max_rel_diff_10']:.1e} / {r['max_rel_diff']:.1e}", r["steps_within_1e-4"],
            f"{r['max_rel_diff_by_hand']:.1e}",
+           f"{r['control_max_10']:.1e} / {r['control_max']:.1e}, {r['control_within_1e-4']}",
            f"{r['wall_s']:.0f} ({r['straight_wall_s']:.0f})"]
     return "\n".join(["| " + " | ".join(head) + " |", "| ---" + " | ---:" * (len(head) - 1) + " |",
                       "| " + " | ".join(map(str, row)) + " |"])
@@ -218,12 +240,13 @@ def main() -> None:
     p.add_argument("--fail-at", type=int, default=35, help="kill the second node once rank 0 printed this step")
     p.add_argument("--checkpoint-every", type=int, default=10, help="train.checkpoint.every")
     p.add_argument("--png", type=Path, help="write both loss curves here")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     p.add_argument("--keep", type=Path, help="keep the run folders and logs in this folder (default: a temporary one)")
     args = p.parse_args()
     import torch.distributed as dist
 
     # Every checkpoint kept: the one the recovery resumed from is trained again by hand.
-    overrides = [*MODEL, f"train.steps={args.steps}", f"train.checkpoint.every={args.checkpoint_every}",
+    overrides = [*MODEL, *args.set, f"train.steps={args.steps}", f"train.checkpoint.every={args.checkpoint_every}",
                  "train.checkpoint.keep=1000"]
     # The rendezvous store outlives the agents, whichever is killed.
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, multi_tenant=True, wait_for_workers=False,
@@ -235,6 +258,7 @@ def main() -> None:
         r = interrupted(root, store.port, overrides, env, args.fail_at)
         checkpoint = root / "elastic" / "checkpoints" / f"step-{r['resumed_from']:08d}"
         control = resumed_by_hand(root, store.port, overrides, env, checkpoint)
+        small = uninterrupted_small(root, store.port, overrides, env)
     got = r.pop("losses")
     assert sorted(got) == sorted(want) == list(range(1, args.steps + 1)), (sorted(got), sorted(want))
     after = [s for s in want if s > r["resumed_from"]]
@@ -243,13 +267,14 @@ def main() -> None:
     r["max_rel_diff"] = max(r["rel_diff"].values())
     r["max_rel_diff_by_hand"] = max(abs(got[s] - control[s]) / abs(control[s]) for s in after)
     r["steps_within_1e-4"] = next((i for i, s in enumerate(after) if r["rel_diff"][s] > 1e-4), len(after))
+    r.update(control_drift(small, want))
     r["straight_wall_s"] = straight_s
     print(f"rendezvous: {RDZV_CONF}; {args.steps} steps, checkpoint every {args.checkpoint_every}\n")
     print(table(r))
     if args.png:
         plot(want, got, r, args.png)
         print(f"wrote {args.png}")
-    print(json.dumps({"bench": "elastic_recovery", "steps": args.steps, "fail_at": args.fail_at,
+    print(json.dumps({"bench": "elastic_recovery", "steps": args.steps, "fail_at": args.fail_at, "set": args.set,
                       "checkpoint_every": args.checkpoint_every, "rdzv_conf": RDZV_CONF,
                       **{k: v for k, v in r.items() if k not in ("starts", "rel_diff")},
                       "layouts": [s["label"] for s in r["starts"]]}))

@@ -6,6 +6,7 @@
   tensorboard/     event files
   checkpoints/     see moetron.launcher.checkpoint.store
   slurm/           batch script, resolved config and logs of `moetron submit` (launcher/cluster/submit.py)
+  lease.json       the world training here now, while it trains (launcher/train/run_lease.py)
 
 A start decides first and writes afterwards: `open_run_dir(..., create=False)` reads the folder and
 chooses what to resume from, writing nothing, so that the trainer can check the config, the data

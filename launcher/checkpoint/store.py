@@ -31,7 +31,7 @@ import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -143,8 +143,11 @@ class Checkpointer:
     """
 
     def __init__(self, ckpt_root: Path, *, keep: int = 3, async_save: bool = False,
-                 expert_shards: ExpertShards | None = None):
+                 expert_shards: ExpertShards | None = None, before_publish: Callable[[], None] = lambda: None):
         self.root = Path(ckpt_root)
+        # Called on every rank once all have written their parts, before rank 0 publishes; it may
+        # raise on every rank alike to keep the checkpoint a .tmp- folder (the trainer's run lease).
+        self.before_publish = before_publish
         self.keep = keep
         self.async_save = async_save
         self.expert_shards = expert_shards
@@ -245,6 +248,7 @@ class Checkpointer:
         if self._any(error is not None):
             self._discard(pending.tmp)
             raise _save_error(pending, error, latest_checkpoint(self.root))
+        self.before_publish()
         final = self.root / checkpoint_name(pending.step)
         error = None
         if self.rank == 0:

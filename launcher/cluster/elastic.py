@@ -19,6 +19,10 @@ things about the agent are checked here:
   layout) is refused in one line with exit status 2, and would be refused again on every
   restart: `stop_agent_at_exit` asks this node's agent to stop instead of restarting its ranks.
   Every rank of a world decides alike, so every node's agent stops.
+
+A restart is a new world in the same run folder, which takes the folder over from the world before
+it (launcher/train/run_lease.py); `job_identity` says what the worlds of one job share, so that a
+restart may take the folder at once while another job is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +43,20 @@ def restart_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     return (f"torchrun --max-restarts={restarts} with the store its agents share with the ranks: a restart may hang "
             f"on the previous world's keys (pytorch/pytorch#135712) and a node that joins later waits forever; "
             f"export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before every torchrun of the job")
+
+
+def job_identity(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What every restart of this job shares, as words, or None for a start that is a job of its
+    own: the Slurm job id (a requeue, or the ranks started again in the allocation, keep it) and
+    torchrun's rendezvous id (every restart of its agents' ranks keeps it). torchrun's default id,
+    "none", names no job: two launches left at the default would count as one."""
+    env = os.environ if env is None else env
+    parts = []
+    if env.get("SLURM_JOB_ID"):
+        parts.append(f"Slurm job {env['SLURM_JOB_ID']}")
+    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != "none":
+        parts.append(f"torchrun rdzv id {env['TORCHELASTIC_RUN_ID']}")
+    return ", ".join(parts) or None
 
 
 def stop_agent_at_exit(env: Optional[Mapping[str, str]] = None) -> bool:

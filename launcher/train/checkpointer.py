@@ -11,7 +11,9 @@ The loop reports each finished step (`after_step`) and asks for the final save w
 - `train.checkpoint.on_error`: a periodic save that fails stops the run ("stop", the
   CheckpointError propagates) or is reported, counted in `failed_saves` and left behind
   ("continue"); the final save's failure always stops the run;
-- weights or optimizer state that are not finite are never saved: NonFiniteError instead.
+- weights or optimizer state that are not finite are never saved: NonFiniteError instead;
+- `guard()` (the run lease's check, launcher/train/run_lease.py) runs on every rank before a save
+  starts and again before it is published: a world that lost the run folder raises there.
 The writing itself (atomic, verified, async, kept K deep) is `store.Checkpointer`'s.
 """
 
@@ -39,9 +41,11 @@ class CheckpointManager:
 
     def __init__(self, root: Path, cfg: CheckpointConfig, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  device: torch.device, expert_shards: ExpertShards | None, resumed_from: Path | None, step: int,
-                 state: Callable[[], dict], console: Callable[[str], None]):
+                 state: Callable[[], dict], console: Callable[[str], None], guard: Callable[[], None] = lambda: None):
         # Creates process groups: every rank constructs its manager at the same point.
-        self.writer = Checkpointer(root, keep=cfg.keep, async_save=cfg.async_save, expert_shards=expert_shards)
+        self.writer = Checkpointer(root, keep=cfg.keep, async_save=cfg.async_save, expert_shards=expert_shards,
+                                   before_publish=guard)
+        self.guard = guard
         self.cfg, self.model, self.optimizer, self.device = cfg, model, optimizer, device
         self.state, self.console = state, console
         self.last: Path | None = resumed_from
@@ -68,6 +72,7 @@ class CheckpointManager:
     def _save(self, step: int) -> Path | None:
         """The finished checkpoint, or None while an async one is being written."""
         self._saved_step = step
+        self.guard()
         if not all_finite([*self.model.parameters(), *optimizer_tensors(self.optimizer)], self.device):
             raise NonFiniteError(f"step {step}: weights or optimizer state are not finite; no checkpoint "
                                  f"written, the last good one is {self.last or 'none'}")

@@ -1,6 +1,8 @@
 """Where numbers go: one JSON object per logged step in metrics.jsonl, and TensorBoard scalars.
 
-Only the writing rank (rank 0) opens files; elsewhere every call is a no-op.
+Only the writing rank (rank 0) opens files; elsewhere every call is a no-op. `may_write` (the run
+lease's `held`, launcher/train/run_lease.py) is asked before each write: a world that lost the run
+folder to another writes nothing more into it.
 """
 
 from __future__ import annotations
@@ -8,12 +10,14 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 
 class MetricsLogger:
-    def __init__(self, run_path: Path, *, enabled: bool = True, purge_step: int | None = None):
+    def __init__(self, run_path: Path, *, enabled: bool = True, purge_step: int | None = None,
+                 may_write: Callable[[], bool] = lambda: True):
         self.enabled = enabled
+        self.may_write = may_write
         self.path = run_path / "metrics.jsonl"
         self.tb_path = run_path / "tensorboard"
         self._tb = None
@@ -25,7 +29,7 @@ class MetricsLogger:
 
     def log(self, step: int, values: dict[str, Any], *, tb_prefix: str = "") -> None:
         """Append `values` (with `step`) to metrics.jsonl and each number to TensorBoard."""
-        if not self.enabled:
+        if not self.enabled or not self.may_write():
             return
         # JSON has no NaN or Infinity: a non-finite number is written as null, so every line parses.
         record = {"step": step, **{k: _json_number(v) for k, v in values.items()}}
@@ -36,7 +40,7 @@ class MetricsLogger:
                 self._tb.add_scalar(tb_prefix + key, value, step)
 
     def text(self, tag: str, markdown: str, step: int = 0) -> None:
-        if self.enabled:
+        if self.enabled and self.may_write():
             self._tb.add_text(tag, markdown, step)
 
     @property

@@ -30,7 +30,8 @@ from moetron.launcher.config import Config, validate_launch
 from moetron.launcher.data.blend import BlendSampler, blend_sampler, blend_validation_batches
 from moetron.launcher.data.corpus import TokenData
 from moetron.launcher.data.mlm import MaskedLM
-from moetron.launcher.run_dir import RunDir, open_run_dir, write_run_dir
+from moetron.launcher.cluster.elastic import job_identity
+from moetron.launcher.run_dir import RunDir, RunError, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
 from moetron.launcher.train.layout_log import change_line, record_start
@@ -38,6 +39,7 @@ from moetron.launcher.train.device import resolve_device, use_bf16
 from moetron.launcher.train.metrics import MetricsLogger
 from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
 from moetron.launcher.train.optim import lr_at, optimizer_for, set_lr
+from moetron.launcher.train.run_lease import FenceLost, RunFence, hold_run, refusal
 from moetron.launcher.train.startup import (
     already_finished,
     checked_data,
@@ -88,18 +90,25 @@ class StopFlag:
     def __bool__(self) -> bool:
         return self.signum is not None
 
-    def agreed(self, device: torch.device) -> bool:
+    def agreed(self, device: torch.device, lost: str | None = None) -> bool:
         """Whether any rank has been signalled. Ranks receive a signal at slightly different
         moments; all must stop after the same step, or those still training would wait forever
-        in a collective for those that went on to checkpoint."""
+        in a collective for those that went on to checkpoint. `lost`: rank 0's line when another
+        world took the run folder (RunFence.lost), agreed on in the same all-reduce: every rank
+        raises FenceLost."""
         if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+            if lost:
+                raise FenceLost(lost)
             return bool(self)
-        flag = torch.tensor([float(bool(self))], device=device)
+        flag = torch.tensor([float(bool(self)), float(lost is not None)], device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        # NOTE: host-device sync to read the flag, once per step.
-        if flag.item() and self.signum is None:
+        # NOTE: host-device sync to read the flags, once per step.
+        signalled, taken = flag.tolist()
+        if taken:
+            raise FenceLost(lost or "another world took the run folder (rank 0 names it)")
+        if signalled and self.signum is None:
             self.signum = signal.SIGUSR1  # told by another rank
-        return bool(flag.item())
+        return bool(signalled)
 
 
 @dataclass
@@ -261,7 +270,7 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info: Rank
            layout_choice: dict | None = None) -> Path:
     t = cfg.train
     # One decision for all ranks, and nothing written until data and checkpoint are found usable.
-    run = _on_rank0(lambda: open_run_dir(cfg, resume, create=False))
+    run = _on_rank0(lambda: _open_run(cfg, resume))
     if info.world_size > 1:
         console(f"{info.world_size} ranks, launched by {info.launcher}, rendezvous at {info.master_addr}:{info.master_port}")
     if run.resume_from is not None and already_finished(run, t.steps, console):
@@ -270,10 +279,29 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info: Rank
         torch.set_num_threads(t.threads)
     parts = _build(cfg, device, checked_data(cfg))
     state, run = _start_state(parts, run, console)
+    # From here on this world writes to the folder, once it holds it (launcher/train/run_lease.py).
+    with hold_run(run.path, job_identity(), info.world_size, state.step, _on_rank0, info.is_main, console) as fence:
+        return _train_held(parts, state, run, fence, exit_after, console, info, layout_choice)
+
+
+def _open_run(cfg: Config, resume: str) -> RunDir:
+    """`open_run_dir`'s decision, writing nothing; refused while a live world of another job holds the folder."""
+    run = open_run_dir(cfg, resume, create=False)
+    problem = refusal(run.path, job_identity())
+    if problem:
+        raise RunError(problem)
+    return run
+
+
+def _train_held(parts: Components, state: TrainState, run: RunDir, fence: RunFence, exit_after: int | None,
+                console, info: RankInfo, layout_choice: dict | None) -> Path:
+    """The run once this world holds its folder: the folder written, the loop, the final save."""
+    cfg, device, t = parts.cfg, parts.device, parts.cfg.train
     moved = _on_rank0(lambda: write_run_dir(run, cfg))
     if cfg.model.moe.bias_update_rate > 0:  # after the resume: loading steps the optimizer once
         ExpertBiasUpdate(parts.pm, cfg, device).register(parts.optimizer)
-    metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=state.step + 1 if state.step else None)
+    metrics = MetricsLogger(run.path, enabled=info.is_main, purge_step=state.step + 1 if state.step else None,
+                            may_write=fence.held)
     metrics.text("config", "```yaml\n" + _yaml(cfg) + "\n```")
     report_set_aside(moved, run, state.step, metrics, console)
     if info.is_main:
@@ -282,13 +310,14 @@ def _train(cfg: Config, resume: str, exit_after: int | None, console, info: Rank
                                              console=console)
     checkpoints = CheckpointManager(run.checkpoints, t.checkpoint, parts.model, parts.optimizer, device=device,
                                     expert_shards=parts.expert_shards, resumed_from=run.resume_from,
-                                    step=state.step, state=lambda: _checkpoint_state(parts, state, info.world_size),
-                                    console=console)
+                                    step=state.step, state=lambda: _checkpoint_state(parts, state, info.world_size,
+                                                                                     fence.world),
+                                    console=console, guard=fence.check)
     logger = StepLogger(t, metrics, meter, dashboards, start_step=state.step, enabled=info.is_main,
                         evaluate=parts.evaluate, modules=parts.pm.modules, console=console)
     stop_at = min(t.steps, state.step + exit_after) if exit_after else t.steps
     with StopFlag() as stop, logger:
-        diverged = _loop(parts, state, stop, stop_at, logger, checkpoints)
+        diverged = _loop(parts, state, stop, stop_at, logger, checkpoints, fence)
         stopped = stop.signum
         last = checkpoints.finish(state.step, diverged=diverged is not None)
     if diverged is not None:
@@ -310,11 +339,12 @@ def _note_layout(run: Path, cfg: Config, step: int, world_size: int, choice: dic
 
 
 def _loop(parts: Components, state: TrainState, stop: StopFlag, stop_at: int, logger: StepLogger,
-          checkpoints: CheckpointManager) -> str | None:
-    """Train until step `stop_at` or a signal all ranks agree on; returns why the run diverged, or None."""
+          checkpoints: CheckpointManager, fence: RunFence) -> str | None:
+    """Train until step `stop_at` or a signal all ranks agree on; returns why the run diverged, or None.
+    Raises FenceLost, on every rank after the same step, once another world holds the run folder."""
     state.start_clock()
     logger.start(state.step)
-    while state.step < stop_at and not stop.agreed(parts.device):
+    while state.step < stop_at and not stop.agreed(parts.device, fence.lost()):
         iteration_t0 = time.perf_counter()  # throughput counts training iterations only
         lr, result, step_s = _step(parts, state, logger.meter)
         logger.after_step(state, lr, result, step_s=step_s, iteration_s=time.perf_counter() - iteration_t0,
@@ -393,9 +423,10 @@ def _start_state(parts: Components, run: RunDir, console) -> tuple[TrainState, R
     return state, run
 
 
-def _checkpoint_state(parts: Components, state: TrainState, world_size: int) -> dict:
-    """A checkpoint's plain data (rank 0's becomes its state.json)."""
-    return {"step": state.step, "tokens": state.tokens, "sampler": parts.sampler.state_dict(),
+def _checkpoint_state(parts: Components, state: TrainState, world_size: int, world: str) -> dict:
+    """A checkpoint's plain data (rank 0's becomes its state.json); `world`: the run lease's id of
+    the world that wrote it (launcher/train/run_lease.py)."""
+    return {"step": state.step, "tokens": state.tokens, "sampler": parts.sampler.state_dict(), "world": world,
             "lr_decay_steps": state.decay_steps, "skipped_steps": state.skips.total,
             "elapsed_s": state.elapsed_s(),
             "config": parts.cfg.to_dict(), "layout": {"world_size": world_size, **parts.cfg.to_dict()["parallel"]}}
