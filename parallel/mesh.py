@@ -73,9 +73,17 @@ class ParallelMesh:
     mesh: DeviceMesh
     cfg: ParallelConfig
     flat: dict[str, DeviceMesh] = field(default_factory=dict)
+    # Sub-meshes sliced so far: slicing makes a new DeviceMesh each time (~2 ms of CPU), and
+    # rank("dp") alone needs three every training step.
+    sliced: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def sub(self, dim: str) -> DeviceMesh:
         """The mesh of `dim`: one of MESH_DIMS, a FLAT_DIMS name, or "hsdp"/"ehsdp" (2-D)."""
+        if dim not in self.sliced:
+            self.sliced[dim] = self._slice(dim)
+        return self.sliced[dim]
+
+    def _slice(self, dim: str) -> DeviceMesh:
         if dim in self.flat:
             return self.flat[dim]
         if dim == "hsdp":
@@ -92,8 +100,8 @@ class ParallelMesh:
     def rank(self, dim: str) -> int:
         if dim == "dp":
             # Which slice of the global batch this rank reads: (rep, edps, ep) row-major.
-            rep, edps, ep = (self.mesh[d].get_local_rank() for d in ("rep", "edps", "ep"))
-            return (rep * self.mesh["edps"].size() + edps) * self.cfg.ep + ep
+            rep, edps, ep = (self.sub(d).get_local_rank() for d in ("rep", "edps", "ep"))
+            return (rep * self.sub("edps").size() + edps) * self.cfg.ep + ep
         return self.sub(dim).get_local_rank()
 
     def group(self, dim: str):

@@ -10,10 +10,13 @@ package, so that a broken install cannot turn the references off while the run s
 """
 
 import fcntl
+import json
 import os
 import re
 import socket
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +130,27 @@ def slurm_ports():
         lock.close()  # closing releases the lock
         return
     pytest.skip("no block of five free ports in 7917..8900 for a local Slurm")
+
+
+@pytest.fixture(scope="session")
+def forked_ranks():
+    """launch(request) → answer: the ranks of one launch forked from a process of this pytest worker
+    that imported the training stack once (tests/forked_ranks.py, whose docstring has the request
+    and the answer), instead of torchrun's interpreter and imports per rank and launch."""
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked_ranks.py"))], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def launch(request: dict) -> dict:
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline()
+        if not answer:
+            pytest.fail(f"the rank forker ended (exit {proc.poll()}) before answering {request}")
+        return json.loads(answer)
+
+    yield launch
+    proc.kill()
+    proc.wait()
 
 
 @pytest.fixture

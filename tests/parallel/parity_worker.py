@@ -23,6 +23,7 @@ import contextlib
 import json
 import sys
 import time
+import traceback
 from dataclasses import fields, replace
 
 import torch
@@ -38,7 +39,7 @@ from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.expert_bias import biased_routers, update_expert_biases
 from moetron.parallel.materialize import materialize_and_init
-from moetron.parallel.mesh import build_mesh
+from moetron.parallel.mesh import ParallelMesh, build_mesh, mesh_shape
 from moetron.parallel.parallelize import parallelize
 from moetron.parallel.sharded_optimizer import ShardedAdamW, assign_owners
 
@@ -317,18 +318,62 @@ def full_grad(pm, name: str, p: torch.Tensor) -> torch.Tensor:
     return g
 
 
-def run_case(name: str) -> dict:
+def case_config(name: str) -> tuple[ParallelConfig, ModelConfig, int, int]:
+    """(layout, model, grad_accum, pipeline micro-batches per pass) of case `name`."""
     layout, moe_changes, grad_accum = CASES[name]
     pcfg = ParallelConfig(**layout)
     model_fields = {f.name for f in fields(ModelConfig)} - {"moe"}  # the rest are MoE fields
     model_changes = {k: v for k, v in moe_changes.items() if k in model_fields}
     moe_only = {k: v for k, v in moe_changes.items() if k not in model_fields}
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
-    mb = pcfg.microbatches if pcfg.pp > 1 else 1
+    return pcfg, model_cfg, grad_accum, pcfg.microbatches if pcfg.pp > 1 else 1
+
+
+def reference_args(name: str) -> tuple:
+    """The arguments of `reference` for case `name`: everything its one process depends on, so
+    cases with equal arguments share one reference (dp matters only to the global-batch loss)."""
+    pcfg, model_cfg, grad_accum, mb = case_config(name)
+    dp = pcfg.dp if model_cfg.moe.aux_loss_type == "global_batch" else 1
+    return model_cfg, pcfg.dp * grad_accum * mb, name in ADAMW, dp, name in PACKED
+
+
+def shared_references(names: list[str]) -> dict[tuple, dict]:
+    """{reference_args: reference} for the cases `names`, each distinct reference computed once in
+    the launch, by one rank (round robin), and sent to every rank; a reference that raised is
+    {"error": ...}, reported by the cases that need it."""
+    keys = list(dict.fromkeys(reference_args(n) for n in names))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {}
+    for i in range(rank, len(keys), world):
+        try:
+            mine[i] = reference(*keys[i])
+        except Exception as e:  # the cases that need it fail with this message, the others run
+            mine[i] = {"error": f"reference: {type(e).__name__}: {e}"[:500]}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    return {keys[i]: ref for part in parts for i, ref in part.items()}
+
+
+def mesh_for(pcfg: ParallelConfig, meshes: dict[tuple, ParallelMesh]) -> ParallelMesh:
+    """A mesh for `pcfg`, one per mesh shape in the launch, reused by each case of that shape.
+
+    Why not a new one per case: a gloo group costs a rendezvous to make and keeps a thread polling
+    for as long as it lives (~0.1 core per rank for ~130 groups), and groups cannot be destroyed
+    between cases: DTensor's planning caches hold meshes by value, so a later equal mesh would be
+    handed a destroyed group."""
+    shape = mesh_shape(pcfg)
+    if shape not in meshes:
+        meshes[shape] = build_mesh(pcfg, dist.get_world_size())
+    return ParallelMesh(meshes[shape].mesh, pcfg, meshes[shape].flat)
+
+
+def run_case(name: str, ref: dict, mesh: ParallelMesh) -> dict:
+    """Train case `name` on `mesh` and compare it with its one-process reference `ref`."""
+    if "error" in ref:
+        raise RuntimeError(ref["error"])
+    pcfg, model_cfg, grad_accum, mb = case_config(name)
     adamw = name in ADAMW
     packed = name in PACKED
-    ref = reference(model_cfg, pcfg.dp * grad_accum * mb, adamw, dp=pcfg.dp, packed=packed)
-    mesh = build_mesh(pcfg, dist.get_world_size())
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"),
                      compile=name in COMPILED, microbatch_BS=(BATCH // (pcfg.dp * grad_accum * mb), SEQ),
@@ -405,18 +450,39 @@ def run_case(name: str) -> dict:
             "eval_ce_rel": eval_err, "one_stage_forward_per_micro_batch": not forwards_bad}
 
 
+def compile_cache_counts() -> torch.Tensor:
+    """(hits, misses) of the compiled-graph caches, AOTAutograd's and Inductor's, in this process
+    so far; a miss compiles the graph and writes it into the cache for the next launch."""
+    from torch._dynamo.utils import counters
+
+    sections = (counters["aot_autograd"], counters["inductor"])
+    return torch.tensor([sum(n for c in sections for k, n in c.items() if k.endswith(end)) for end in ("_hit", "_miss")],
+                        dtype=torch.float64)
+
+
+def compile_cache_use(before: torch.Tensor) -> dict:
+    """{"cache_hits", "cache_misses"} over every rank since `before` (compile_cache_counts)."""
+    used = compile_cache_counts() - before
+    dist.all_reduce(used)
+    return {"cache_hits": int(used[0]), "cache_misses": int(used[1])}
+
+
 def main(names: list[str]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     failures = 0
     try:
+        refs = shared_references(names)
+        meshes: dict[tuple, ParallelMesh] = {}
         for name in names:
             t0 = time.perf_counter()
             try:
-                result = run_case(name)
-            except Exception as e:  # report and go on: one broken layout must not hide the others
+                before = compile_cache_counts()
+                result = run_case(name, refs[reference_args(name)], mesh_for(case_config(name)[0], meshes))
+                if name in COMPILED:  # did it read its graphs from the caches or compile them?
+                    result.update(compile_cache_use(before))
+            except Exception as e:
                 if dist.get_rank() == 0:
-                    import traceback
                     traceback.print_exc()
                 result = {"case": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
                 # Every rank reports (any of them may be the one that failed), rank 0 on stdout.

@@ -1,5 +1,7 @@
-"""Every parallel layout trains like one process: one torchrun launch per world size runs many
-layouts inside (tests/parallel/parity_worker.py holds the checks and their tolerances).
+"""Every parallel layout trains like one process: one launch per world size runs many layouts
+inside (tests/parallel/parity_worker.py holds the checks and their tolerances), its ranks forked
+from one process that imported torch and moetron once (tests/forked_ranks.py), as torchrun would start
+them but without an interpreter and its imports per rank.
 
 Tolerances: loss and aux loss within 1e-5 relative on each of three SGD steps; every
 parameter's step-1 gradient within 1e-5 of its largest reference entry; expert token counts
@@ -9,9 +11,6 @@ equal; under aux-loss-free routing the expert biases after the last step equal o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -44,27 +43,27 @@ LAUNCHES = {
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 # train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch
-# loss: two 2-rank launches, slow (each rank compiles its blocks on CPU: ~110 s on a cold
-# compile cache, ~50 s on the warm one the first launch leaves).
+# loss, on 2 ranks (each rank compiles its blocks on CPU). Slow on a cold compile cache (~300 s of
+# CPU for the first launch), ~70 s of CPU for it on a warm one.
 COMPILED = ["tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_compiled"]
 WARM = ["tp2_compiled", "dp2_ddp_compiled"]
 
 
-def launch(world: int, cases: list[str]) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            str(WORKER), *cases]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 and not results:
-        pytest.fail(f"launch of {world} ranks failed:\n{out.stderr[-3000:]}")
+def launch(forked_ranks, world: int, cases: list[str]) -> list[dict]:
+    """Run `cases` on `world` ranks forked from one process (tests/forked_ranks.py); → rank 0's
+    JSON line per case."""
+    answer = forked_ranks({"ranks": world, "script": str(WORKER), "args": cases, "cwd": str(ROOT), "tail": 1 << 20,
+                           "timeout": 600})
+    results = [json.loads(line) for line in answer["output"]["0"].splitlines() if line.startswith("{")]
+    if answer["codes"] != [0] * world and not results:
+        pytest.fail(f"launch of {world} ranks failed:\n{json.dumps(answer['output'], indent=1)[-3000:]}")
     return results
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
-def test_layouts_match_one_process(world):
-    results = {r["case"]: r for r in launch(world, LAUNCHES[world])}
+def test_layouts_match_one_process(forked_ranks, world):
+    results = {r["case"]: r for r in launch(forked_ranks, world, LAUNCHES[world])}
     assert set(results) == set(LAUNCHES[world]), f"missing: {set(LAUNCHES[world]) - set(results)}"
     bad = [r for r in results.values() if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)
@@ -72,14 +71,24 @@ def test_layouts_match_one_process(world):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_blocks_train_like_one_eager_process():
-    """Two launches: the second reads what the first left in torch's compile caches (a compiled
-    loss under loss_parallel once came out right on a cold cache and wrong on a warm one). The
-    second launch (WARM) runs tp2_compiled, the case that went wrong, and dp2_ddp_compiled, whose
-    loss is compiled (tp = 1); the other two read the same caches through the same code, and the
-    first launch checks all four."""
-    for launch_no, cases in ((1, COMPILED), (2, WARM)):
-        results = {r["case"]: r for r in launch(2, cases)}
-        assert set(results) == set(cases), f"launch {launch_no}, missing: {set(cases) - set(results)}"
-        bad = [r for r in results.values() if not r["ok"]]
-        assert not bad, f"launch {launch_no}: " + json.dumps(bad, indent=1)
+def test_compiled_blocks_train_like_one_eager_process(forked_ranks):
+    """Compiled blocks on a cold and on a warm compile cache: a compiled loss under loss_parallel
+    once came out right on a cold cache and wrong on a warm one. The first launch checks all four
+    cases; a second launch (WARM: tp2_compiled, the case that went wrong, and dp2_ddp_compiled,
+    whose loss is compiled, tp = 1) reads what the first left in torch's compile caches. Where the
+    first launch compiled nothing (every graph of the launch read from the caches, none missed, as
+    on every run after the first on a machine), it was that warm launch already: it wrote nothing,
+    so a second one would repeat it on the same caches, and is not run."""
+    first = checked_launch(forked_ranks, 1, COMPILED)
+    warm = all(first[c]["cache_hits"] > 0 for c in WARM) and not any(r["cache_misses"] for r in first.values())
+    if not warm:
+        checked_launch(forked_ranks, 2, WARM)
+
+
+def checked_launch(forked_ranks, launch_no: int, cases: list[str]) -> dict[str, dict]:
+    """Run `cases` on 2 ranks and assert that each passed; → the results by case."""
+    results = {r["case"]: r for r in launch(forked_ranks, 2, cases)}
+    assert set(results) == set(cases), f"launch {launch_no}, missing: {set(cases) - set(results)}"
+    bad = [r for r in results.values() if not r["ok"]]
+    assert not bad, f"launch {launch_no}: " + json.dumps(bad, indent=1)
+    return results

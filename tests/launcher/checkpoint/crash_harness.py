@@ -5,13 +5,14 @@
 One driver process imports torch and moetron once, runs no tensor op itself, and forks every
 rank of every run from there (a fork costs milliseconds; an import costs seconds). For each mode
 (sync or async saves, 1 or 4 ranks) it trains one uninterrupted reference run, then N trials:
-start the same run, SIGKILL every rank at a random moment, read what the kill left on disk (the
-phase of the save it interrupted), resume with `--resume auto` semantics to the last step, and
-compare every logged loss with the reference. A checkpoint every step keeps a save in flight most
-of the time. Random kills land almost always in the shard writes, the longest phase; so each mode
-also has one trial per phase in which the save of a random step stops there (`stall_saves`
-patches the checkpoint writer in the forked ranks) and the kill comes once the disk shows it. One JSON line per trial and a summary
-go to stdout.
+start the same run, SIGKILL every rank at a random moment of its training (after its first logged
+step), read what the kill left on disk (the phase of the save it interrupted), resume with
+`--resume auto` semantics to the last step, and compare every logged loss with the reference. A
+checkpoint every step keeps a save in flight most of the time. Random kills land almost always in
+the shard writes, the longest phase; so each mode also has one trial per phase in which the save
+of a random step stops there (`stall_saves` patches the checkpoint writer in the forked ranks) and
+the kill comes once the disk shows it. The ranks leave out what no save touches (the MoE dashboard
+images, the FLOP-counted step). One JSON line per trial and a summary go to stdout.
 
 Kill points, read off the disk after the kill (the save at the newest step being written):
   shards    a .tmp-step-* folder without this save's manifest (shards, rng, state being written)
@@ -24,6 +25,7 @@ Kill points, read off the disk after the kill (the save at the newest step being
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -39,7 +41,8 @@ from moetron.launcher.config import load_config
 from moetron.launcher.data.corpus import write_shards
 from moetron.launcher.data.tokenizer import ByteTokenizer
 
-# Run as a script: this folder is first on sys.path.
+# Run as a script; tests/forked_ranks.py starts the ranks of the test's other multi-rank launches.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from forked_ranks import free_port, import_the_training_stack  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
@@ -90,6 +93,17 @@ def stall_saves(plan: str) -> None:
     setattr(Checkpointer, name, stalled)
 
 
+def skip_what_saves_do_not_touch() -> None:
+    """In a forked rank: no MoE dashboard images and no FLOP-counted first step. Neither reads or
+    writes a checkpoint, and they are a third of a 1-rank run's CPU (matplotlib) and a fifth of a
+    4-rank one's (the counted step); the losses logged, and everything saved, stay the same."""
+    from moetron.launcher.perf.mfu import MfuMeter
+    from moetron.launcher.train.dashboards import Dashboards
+
+    Dashboards._image = lambda *args, **kwargs: None
+    MfuMeter.step = lambda self, model, tokens: contextlib.nullcontext()
+
+
 def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> list[int]:
     """Fork `ranks` processes that train the config (resuming what the run folder holds)."""
     port, pids = free_port(), []
@@ -101,6 +115,7 @@ def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> lis
                 devnull = os.open(os.devnull, os.O_WRONLY)
                 os.dup2(devnull, 1)
                 os.dup2(devnull, 2)
+                skip_what_saves_do_not_touch()
                 if stall:
                     stall_saves(stall)
                 if ranks > 1:
@@ -164,6 +179,57 @@ def prepare_data(folder: Path) -> str:
     return str(folder / "corpus")
 
 
+def poll(done, timeout: float = 120) -> None:
+    """Wait until `done()` (checked every 10 ms), or the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not done():
+        time.sleep(0.01)
+
+
+def first_step_logged(run: Path) -> bool:
+    """Start-up is over: the first step's line is in metrics.jsonl (its save comes right after)."""
+    metrics = run / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def reference_run(base: list[str], ranks: int, run: Path) -> tuple[dict[int, float], float]:
+    """The uninterrupted run → its losses, and the seconds from its first logged step to its end."""
+    pids = start([*base, f"train.name={run.name}"], ranks)
+    poll(lambda: first_step_logged(run))
+    t0 = time.perf_counter()
+    assert wait_all(pids) == [0] * ranks, f"{run.parent.name}: reference failed"
+    return losses(run), time.perf_counter() - t0
+
+
+def trial(base: list[str], ranks: int, run: Path, plan: tuple[int, str] | None, rng: random.Random,
+          training_s: float) -> dict:
+    """Start the run, SIGKILL every rank (at a random moment of its training, or where `plan`
+    stalls a save), read what the kill left on disk, and resume it to the end."""
+    ckpts = run / "checkpoints"
+    pids = start([*base, f"train.name={run.name}"], ranks, stall=plan and f"{plan[0]}:{plan[1]}")
+    if plan is None:
+        # From the first logged step on (start-up, a third of a run, killed nothing), anywhere
+        # until the reference's end: timed from the run's own start-up, as load on the machine
+        # stretches one run's and not another's.
+        poll(lambda: first_step_logged(run))
+        time.sleep(rng.uniform(0.0, 1.0) * training_s)
+    else:
+        poll(lambda: ckpts.is_dir() and kill_point(ckpts) == plan[::-1])
+    for pid in pids:
+        with_suppressed(lambda: os.kill(pid, signal.SIGKILL))
+    wait_all(pids)
+    point, writing = kill_point(ckpts) if ckpts.is_dir() else ("before the first save", None)
+    done = complete_checkpoints(ckpts) if ckpts.is_dir() else []
+    newest = int(done[-1].name.split("-")[-1]) if done else 0
+    # Saves are every step: every step before the one being written must be on disk.
+    expected = (writing - 1) if writing is not None else newest
+    lost = max(expected - newest, 0) if point != "before the first save" else 0
+    codes = wait_all(start([*base, f"train.name={run.name}"], ranks))
+    return {"planned": plan and list(plan), "kill_point": point, "writing_step": writing, "resumed_from": newest,
+            "checkpoints_lost": lost, "resume_exit": codes,
+            "losses": losses(run) if codes == [0] * ranks else {}}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out", type=Path)
@@ -179,43 +245,18 @@ def main() -> int:
     for mode in args.modes:
         ranks, extra = MODES[mode]
         base = [*SMALL, *extra, f"data.source={data}", f"train.run_dir={args.out / mode}"]
-        t0 = time.perf_counter()
-        assert wait_all(start([*base, "train.name=reference"], ranks)) == [0] * ranks, f"{mode}: reference failed"
-        full_run = time.perf_counter() - t0
-        reference = losses(args.out / mode / "reference")
+        reference, training_s = reference_run(base, ranks, args.out / mode / "reference")
         # 4-rank runs cost ~4× a 1-rank run on 2 cores: fewer random kills there.
         random_kills = args.trials_per_mode if ranks == 1 else max(args.trials_per_mode // 4, 1)
         plans = [None] * random_kills + [(rng.randint(2, STEPS - 1), phase) for phase in PHASES]
-        for trial, plan in enumerate(plans):
-            name = f"trial{trial}"
-            ckpts = args.out / mode / name / "checkpoints"
-            pids = start([*base, f"train.name={name}"], ranks, stall=plan and f"{plan[0]}:{plan[1]}")
-            if plan is None:
-                # Start-up takes ~40% of a run here; kill anywhere in the rest.
-                time.sleep(rng.uniform(0.35, 0.98) * full_run)
-            else:
-                deadline = time.time() + 120
-                while time.time() < deadline and not (ckpts.is_dir() and kill_point(ckpts) == plan[::-1]):
-                    time.sleep(0.01)
-            for pid in pids:
-                with_suppressed(lambda: os.kill(pid, signal.SIGKILL))
-            wait_all(pids)
-            point, writing = kill_point(ckpts) if ckpts.is_dir() else ("before the first save", None)
-            done = complete_checkpoints(ckpts) if ckpts.is_dir() else []
-            newest = int(done[-1].name.split("-")[-1]) if done else 0
-            # Saves are every step: every step before the one being written must be on disk.
-            expected = (writing - 1) if writing is not None else newest
-            lost = max(expected - newest, 0) if point != "before the first save" else 0
-            codes = wait_all(start([*base, f"train.name={name}"], ranks))
-            got = losses(args.out / mode / name) if codes == [0] * ranks else {}
-            same = got == reference
+        for number, plan in enumerate(plans):
+            result = trial(base, ranks, args.out / mode / f"trial{number}", plan, rng, training_s)
+            same = result.pop("losses") == reference
             summary["trials"] += 1
-            summary["points"][point] = summary["points"].get(point, 0) + 1
-            summary["lost"] += lost
+            summary["points"][result["kill_point"]] = summary["points"].get(result["kill_point"], 0) + 1
+            summary["lost"] += result["checkpoints_lost"]
             summary["mismatched"] += not same
-            print(json.dumps({"mode": mode, "trial": trial, "planned": plan and list(plan), "kill_point": point, "writing_step": writing,
-                              "resumed_from": newest, "checkpoints_lost": lost, "resume_exit": codes,
-                              "losses_equal": same}), flush=True)
+            print(json.dumps({"mode": mode, "trial": number, **result, "losses_equal": same}), flush=True)
     print(json.dumps({"summary": summary}), flush=True)
     return 0 if summary["lost"] == 0 and summary["mismatched"] == 0 else 1
 

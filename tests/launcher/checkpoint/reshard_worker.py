@@ -35,7 +35,7 @@ from moetron.launcher.train.trainer import train_step
 from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 from moetron.parallel.config import ParallelConfig
-from moetron.parallel.mesh import build_mesh
+from moetron.parallel.mesh import ParallelMesh, build_mesh
 from moetron.parallel.parallelize import parallelize
 
 LOSS_RTOL = 1e-5
@@ -74,12 +74,10 @@ def batches() -> list[torch.Tensor]:
 class Run:
     """One layout's model, optimizer and checkpoint plumbing on this launch's ranks."""
 
-    def __init__(self, layout: dict):
-        self.pcfg = ParallelConfig(**layout)
-        mesh = build_mesh(self.pcfg, dist.get_world_size())
-        self.pm = parallelize(build_model(MODEL, device="meta"), mesh, self.pcfg, seed=SEED,
-                              device=torch.device("cpu"), cross_entropy=cross_entropy,
-                              microbatch_BS=(BATCH // (self.pcfg.dp * self.pcfg.microbatches), SEQ))
+    def __init__(self, mesh: ParallelMesh):
+        cfg = mesh.cfg
+        self.pm = parallelize(build_model(MODEL, device="meta"), mesh, cfg, seed=SEED, device=torch.device("cpu"),
+                              cross_entropy=cross_entropy, microbatch_BS=(BATCH // (cfg.dp * cfg.microbatches), SEQ))
         self.opt = optimizer_for(self.pm, TRAIN)
         self.shards = self.pm.expert_shards()
 
@@ -92,6 +90,20 @@ class Run:
 
     def load(self, root: Path) -> None:
         load_checkpoint(root / f"step-{SAVE_AT:08d}", self.pm.module, self.opt, expert_shards=self.shards)
+
+
+class Runs:
+    """Fresh runs of the named layouts ("plain": one process). Each layout's mesh is built once
+    per launch and serves all its runs: its ~25 process groups would otherwise be made again for
+    each of the ~40 runs, while the model, optimizer and checkpoint state are new in every run."""
+
+    def __init__(self):
+        self.meshes: dict[str, ParallelMesh] = {}
+
+    def __call__(self, name: str) -> Run:
+        if name not in self.meshes:
+            self.meshes[name] = build_mesh(ParallelConfig(**LAYOUTS.get(name, {})), dist.get_world_size())
+        return Run(self.meshes[name])
 
 
 def relative_error(got: list[float], want: list[float]) -> float:
@@ -110,11 +122,11 @@ def report(source: str, dest: str, losses: list[float], want: list[float], t0: f
 def main(out: Path, mode: str, names: list[str]) -> int:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    data = batches()
+    data, runs = batches(), Runs()
     failures = 0
     try:
         if mode == "reference":
-            run = Run({})
+            run = runs("plain")
             run.steps(data[:SAVE_AT])
             run.save(out / "plain")
             (out / "reference.json").write_text(json.dumps(run.steps(data[SAVE_AT:])))
@@ -125,12 +137,12 @@ def main(out: Path, mode: str, names: list[str]) -> int:
             names = [n for n in names if n != "+"]
             for name in names:  # plain → layout, and the layout's own checkpoint of that state
                 t0 = time.perf_counter()
-                run = Run(LAYOUTS[name])
+                run = runs(name)
                 run.load(out / "plain")
                 run.save(out / name)
                 failures += not report("plain", name, run.steps(data[SAVE_AT:]), want, t0)
             t0 = time.perf_counter()
-            control = Run(LAYOUTS[names[0]])
+            control = runs(names[0])
             load_checkpoint(out / "plain" / f"step-{SAVE_AT:08d}", control.pm.module, None,
                             expert_shards=control.shards)
             err = relative_error(control.steps(data[SAVE_AT:]), want)
@@ -142,13 +154,13 @@ def main(out: Path, mode: str, names: list[str]) -> int:
                 for source in matrix:
                     if source != dest:
                         t0 = time.perf_counter()
-                        run = Run(LAYOUTS[dest])
+                        run = runs(dest)
                         run.load(out / source)
                         failures += not report(source, dest, run.steps(data[SAVE_AT:]), want, t0)
         elif mode == "plain":
             for source in names:  # layout → one process
                 t0 = time.perf_counter()
-                run = Run({})
+                run = runs("plain")
                 run.load(out / source)
                 failures += not report(source, "plain", run.steps(data[SAVE_AT:]), want, t0)
     finally:

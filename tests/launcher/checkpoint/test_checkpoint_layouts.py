@@ -1,5 +1,5 @@
 """Checkpoints across layouts, for real (gloo ranks with torchrun's environment, forked from one
-process that imported the training stack once: forked_ranks.py): 4 + resume + 4 steps on TP2×EP2 equals
+process that imported the training stack once: tests/forked_ranks.py): 4 + resume + 4 steps on TP2×EP2 equals
 8 straight bit for bit; its step-4 checkpoint resumes on one process with the next step's loss
 within 1e-6 relative of the uninterrupted run (tests/launcher/checkpoint/test_reshard.py resumes it under
 every other layout). Three launches.
@@ -23,13 +23,8 @@ the next loss within 1e-6 relative, and that one-process checkpoint loads back o
 bit for bit the same way. The FLOPs counted on a real step are one process's plus only the
 router's, which every tp rank repeats. Four launches and one process."""
 
-import atexit
-import functools
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -51,22 +46,16 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 KEYS = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
 
 
-@functools.cache
-def _forker() -> subprocess.Popen:
-    """This pytest worker's rank forker (started on first use, stopped when the worker exits)."""
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("forked_ranks.py"))], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    atexit.register(proc.kill)
-    return proc
+@pytest.fixture(scope="session")
+def torchrun(forked_ranks):
+    """torchrun(nproc, config, *overrides): `moetron train` on `nproc` gloo ranks, as torchrun would
+    start them (forked from one process: the forked_ranks fixture)."""
 
+    def run(nproc: int, config: str, *overrides: str) -> None:
+        result = forked_ranks({"ranks": nproc, "argv": ["train", str(CONFIGS / config), *SMALL, *overrides]})
+        assert result["codes"] == [0] * nproc, json.dumps(result, indent=1)
 
-def torchrun(nproc: int, config: str, *overrides: str) -> None:
-    """`moetron train` on `nproc` gloo ranks, as torchrun would start them (forked_ranks.py)."""
-    forker = _forker()
-    forker.stdin.write(json.dumps({"ranks": nproc, "argv": ["train", str(CONFIGS / config), *SMALL, *overrides]}) + "\n")
-    forker.stdin.flush()
-    result = json.loads(forker.stdout.readline())
-    assert result["codes"] == [0] * nproc, json.dumps(result, indent=1)
+    return run
 
 
 def records(run: Path) -> list[dict]:
@@ -74,7 +63,7 @@ def records(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(torchrun, tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     # The uninterrupted run leaves parallel.dp out, as Megatron-LM users do: 4 ranks / tp 2 gives the
     # preset's dp 2, so its losses must equal those of the preset with dp written out.
@@ -109,7 +98,7 @@ def test_tp2_ep2_checkpoint_resumes_on_one_process(runs):
 
 
 @pytest.fixture(scope="module")
-def async_runs(tmp_path_factory):
+def async_runs(torchrun, tmp_path_factory):
     root = tmp_path_factory.mktemp("async")
     common = ("parallel.dp=2", "parallel.ep=2", f"train.run_dir={root}", "train.steps=6",
               "train.checkpoint.every=2", "train.checkpoint.keep=10")
@@ -137,7 +126,7 @@ def test_async_save_on_two_ranks_resumes_bit_exactly(async_runs):
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in b)
 
 
-def test_two_ranks_pass_over_a_checkpoint_found_corrupt_while_loading(async_runs, tmp_path):
+def test_two_ranks_pass_over_a_checkpoint_found_corrupt_while_loading(torchrun, async_runs, tmp_path):
     """An automatic resume on two ranks whose newest checkpoint has a flipped byte in rank 1's
     shard (seen by its hash as it loads, on the rank that reads it): every rank falls back to
     step 4 together, the damaged one is set aside, and steps 5-6 repeat the run's own numbers."""
@@ -161,7 +150,7 @@ def test_two_ranks_pass_over_a_checkpoint_found_corrupt_while_loading(async_runs
 
 
 @pytest.fixture(scope="module")
-def pp_runs(tmp_path_factory):
+def pp_runs(torchrun, tmp_path_factory):
     root = tmp_path_factory.mktemp("pp")
     # The uninterrupted run: its step-10 checkpoint is the one resumed elsewhere, and its step 11
     # the loss to reach.
@@ -170,7 +159,7 @@ def pp_runs(tmp_path_factory):
     return root
 
 
-def test_pp2_tp2_checkpoint_resumes_on_one_process_and_dp2(pp_runs):
+def test_pp2_tp2_checkpoint_resumes_on_one_process_and_dp2(torchrun, pp_runs):
     ckpt = pp_runs / "straight" / "checkpoints" / "step-00000010"
     cfg = load_config(CONFIGS / "tiny.yaml", [*SMALL, f"train.run_dir={pp_runs}", "train.name=one", "train.steps=11"])
     train(cfg, resume=str(ckpt), console=lambda *_: None)
@@ -187,7 +176,7 @@ PIPELINES = {
 
 
 @pytest.mark.parametrize("layout", list(PIPELINES))
-def test_pipeline_trains_like_one_process_and_its_checkpoint_resumes_there(tmp_path, layout):
+def test_pipeline_trains_like_one_process_and_its_checkpoint_resumes_there(torchrun, tmp_path, layout):
     ranks, parallel = PIPELINES[layout]
     # Without the aux loss, which the pipeline takes per micro-batch and one process per batch.
     four_layers = [*SMALL, "model.n_layers=4", "model.moe.aux_loss_coef=0", f"train.run_dir={tmp_path}"]
@@ -232,7 +221,7 @@ FROZEN = ("train.lr=0", "train.min_lr=0")  # AdamW with lr 0 leaves every weight
 
 
 @pytest.fixture(scope="module")
-def etp_runs(tmp_path_factory):
+def etp_runs(torchrun, tmp_path_factory):
     root = tmp_path_factory.mktemp("etp")
     torchrun(4, "tiny-tp2-ep2.yaml", *ETP, f"train.run_dir={root}", "train.name=straight", "train.steps=8")
     torchrun(4, "tiny-tp2-ep2.yaml", *ETP, f"train.run_dir={root}", "train.name=split", "train.steps=8",
@@ -281,7 +270,7 @@ def test_tp2_etp2_counts_one_process_flops_plus_the_router(etp_runs):
     assert got == pytest.approx(one + extra, rel=1e-3), (got, one, extra)
 
 
-def test_cp2_trains_like_one_process_and_its_checkpoint_resumes_there(tmp_path):
+def test_cp2_trains_like_one_process_and_its_checkpoint_resumes_there(torchrun, tmp_path):
     """Context parallel (CP2: each sequence's 32 positions split over two ranks, two chunks each)
     trains and evaluates like one process (losses within 1e-5 relative for 11 steps), and its
     step-10 checkpoint, whose weights are only replicated over cp, resumes on one process with
@@ -311,7 +300,7 @@ AUX_FREE_LAYOUTS = {
 }
 
 
-def test_aux_loss_free_routing_trains_alike_on_one_process_and_four_ranks_and_resumes_bit_exactly(tmp_path):
+def test_aux_loss_free_routing_trains_alike_on_one_process_and_four_ranks_and_resumes_bit_exactly(torchrun, tmp_path):
     """`moetron train configs/tiny.yaml model.moe.score=sigmoid model.moe.bias_update_rate=0.001
     model.moe.aux_loss_coef=0` on one process, on TP2×EP2 (+SP) and on PP2×DP2: losses within 1e-5
     relative for 6 steps and the same biases after them; PP2×DP2 stopped after step 3 and resumed

@@ -1,14 +1,12 @@
 """Every layout's checkpoint resumes under every other layout with the uninterrupted run's losses
 (tests/launcher/checkpoint/reshard_worker.py): one process saves after 2 AdamW steps; the 4-rank layouts load
 it, save their own sharded copy, and load each other's (the matrix); one process loads each back.
-The next 3 losses must be the uninterrupted run's within 1e-5 relative. Three launches."""
+The next 3 losses must be the uninterrupted run's within 1e-5 relative. Three launches, their ranks
+forked from one process (tests/forked_ranks.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,23 +19,26 @@ MATRIX = ["tp2_ep2", "pp2_dp2_1f1b", "pp2_vpp2_dp2", "dp4_fsdp", "dp4_ddp"]
 MORE = ["hsdp2x2_ep2", "zero1_dp4_ep2", "cp2_dp2", "tp2_etp2_ep2"]
 
 
-def launch(world: int, out: Path, *args: str) -> list[dict]:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-            str(WORKER), str(out), *args]
-    proc = subprocess.run(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=900, cwd=ROOT)
-    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 and not results:
-        pytest.fail(f"{args[0]} launch on {world} ranks failed:\n{proc.stderr[-3000:]}")
+def launch(forked_ranks, out: Path, *launches: tuple[int, list[str]]) -> list[dict]:
+    """Run the worker's launches one after another, each on its number of ranks forked from one
+    process (torchrun would start an interpreter per rank and launch: ~25 s of CPU importing, of
+    this test's ~120); → the JSON lines rank 0 printed."""
+    results = []
+    for world, args in launches:
+        answer = forked_ranks({"ranks": world, "script": str(WORKER), "args": [str(out), *args], "cwd": str(ROOT),
+                               "tail": 1 << 20, "timeout": 900})
+        got = [json.loads(line) for line in answer["output"]["0"].splitlines() if line.startswith("{")]
+        if answer["codes"] != [0] * world and not got:
+            pytest.fail(f"{args[0]} launch on {world} ranks failed:\n{json.dumps(answer['output'], indent=1)}")
+        results += got
     return results
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_every_layout_resumes_every_other_layouts_checkpoint(tmp_path):
-    launch(1, tmp_path, "reference")
-    results = launch(4, tmp_path, "layouts", *MATRIX, "+", *MORE)
-    results += launch(1, tmp_path, "plain", *MATRIX, *MORE)
+def test_every_layout_resumes_every_other_layouts_checkpoint(forked_ranks, tmp_path):
+    results = launch(forked_ranks, tmp_path, (1, ["reference"]), (4, ["layouts", *MATRIX, "+", *MORE]),
+                     (1, ["plain", *MATRIX, *MORE]))
     pairs = {(r["from"], r["to"]) for r in results if not r.get("control")}
     layouts = ["plain", *MATRIX]
     want = {(a, b) for a in layouts for b in layouts if a != b}
