@@ -148,8 +148,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# A requeued job may start again only once its credential expired: 10 s instead of 120 s.
-AuthInfo=socket=$munge_socket,cred_expire=10
+# A requeued job may start again only once its credential expired (cred_expire + 1 s later): 5 s,
+# the least Slurm accepts, instead of 120 s. Every step's launch must reach slurmd within it.
+AuthInfo=socket=$munge_socket,cred_expire=5
 StateSaveLocation=$root/spool/ctld
 SlurmdSpoolDir=$root/spool/d${per_node}
 SlurmctldPidFile=$root/run/slurmctld.pid
