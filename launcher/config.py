@@ -60,6 +60,11 @@ class TrainConfig:
     seq_len: int = 256
     # Micro-batches accumulated per optimizer step (batch_size must divide evenly).
     grad_accum: int = 1
+    # Sequences per micro-batch on each rank (Megatron's --micro-batch-size); 0: whatever
+    # batch_size / (parallel.dp × grad_accum × the pipeline's micro-batches) gives. Set, the layout
+    # must give exactly that, and `--layout auto` picks only layouts that do: the balance loss and
+    # the router capacity are per micro-batch, so keeping its size keeps the objective across layouts.
+    micro_batch_size: int = 0
     lr: float = 3e-3
     min_lr: float = 3e-4
     warmup_steps: int = 100
@@ -105,7 +110,8 @@ class TrainConfig:
                   "max_skipped_steps"):
             if getattr(self, k) < 1:
                 out.append((k, getattr(self, k), "must be >= 1"))
-        for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps", "peak_tflops"):
+        for k in ("lr", "min_lr", "warmup_steps", "weight_decay", "grad_clip", "threads", "eps", "peak_tflops",
+                  "micro_batch_size"):
             if getattr(self, k) < 0:
                 out.append((k, getattr(self, k), "must be >= 0"))
         if self.lr_decay_steps is not None and self.lr_decay_steps < 1:
@@ -548,6 +554,27 @@ def _cross_section_problems(cfg: Config) -> list[Problem]:
     return out
 
 
+def sequences_per_micro_batch(cfg: Config) -> int:
+    """Sequences in each micro-batch a rank runs forward: the global batch cut into
+    dp × grad_accum × (pipeline micro-batches) pieces."""
+    p, t = cfg.parallel, cfg.train
+    return t.batch_size // max(p.dp * t.grad_accum * (p.microbatches if p.pp > 1 else 1), 1)
+
+
+def _micro_batch_problem(cfg: Config) -> str | None:
+    """Why the layout does not give train.micro_batch_size's sequences per micro-batch, or None."""
+    p, t = cfg.parallel, cfg.train
+    got = sequences_per_micro_batch(cfg)
+    if not t.micro_batch_size or got == t.micro_batch_size:
+        return None
+    pipeline, per_rank = (p.microbatches if p.pp > 1 else 1), t.batch_size // p.dp
+    fix = (f"train.grad_accum={per_rank // (t.micro_batch_size * pipeline)}" if per_rank % (t.micro_batch_size * pipeline) == 0
+           else "another parallel.dp or train.batch_size")
+    return (f"train.micro_batch_size = {t.micro_batch_size}: the layout gives {got} sequences per micro-batch "
+            f"(train.batch_size / (dp × grad_accum × pipeline micro-batches) = {t.batch_size} / ({p.dp} × "
+            f"{t.grad_accum} × {pipeline})); set {fix}, or train.micro_batch_size=0")
+
+
 def validate_launch(cfg: Config, world_size: int) -> None:
     """Check the layout against the launched ranks, before any process group starts."""
     p = cfg.parallel
@@ -555,3 +582,8 @@ def validate_launch(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"parallel.pp × dp × cp × tp = {p.pp} × {p.dp} × {p.cp} × {p.tp} = {p.world_size}: must "
                           f"equal the number of launched ranks ({world_size}); leave parallel.dp out to infer it "
                           f"(dp = ranks / (pp × cp × tp))")
+    # Here, not among the config's own problems: the planner loads a config with grad_accum=1 and
+    # then tries the accumulations that give this micro-batch.
+    problem = _micro_batch_problem(cfg)
+    if problem:
+        raise ConfigError(problem)

@@ -24,9 +24,9 @@ def register(sub) -> None:
     p.add_argument("--layout", choices=("config", "auto"), default="config",
                    help="auto: at every start, the layout `moetron plan` ranks first for the ranks this "
                         "launch has (overrides the config's parallel section, train.grad_accum and "
-                        "train.activation_checkpoint; train.batch_size, the global batch, stays); a "
-                        "checkpoint of another layout is resharded into it. Written to the run folder's "
-                        "layouts.jsonl")
+                        "train.activation_checkpoint; train.batch_size, the global batch, stays, and a resumed "
+                        "run keeps its micro-batch size where a layout can); a checkpoint of another layout "
+                        "is resharded into it. Written to the run folder's layouts.jsonl")
     p.add_argument("--gpu", default=None, metavar="PROFILE",
                    help="device profile for --layout auto: H100, H200, A100, B200 or cpu (default: this "
                         "machine's GPU, or cpu, measured on first use)")
@@ -76,21 +76,54 @@ def _run(args) -> int:
 
 def _auto_layout(args, info) -> tuple[list[str], dict]:
     """The config's overrides plus the layout the planner ranks first for this launch's ranks, and
-    how it chose (every rank plans alike: the same config, world size and profile)."""
+    how it chose (every rank plans alike: the same config, world size, run folder and profile).
+
+    A resumed run keeps the micro-batch size of its last start where some layout gives it (the
+    balance loss and router capacity are per micro-batch: the same groups of sequences keep the
+    same objective, so the curve continues); where none does, the plan is free and says so."""
     import os
     import sys
 
+    from moetron.launcher.config import ConfigError
     from moetron.launcher.perf.planner import choose_layout
 
     profile = args.gpu or _this_device()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or info.world_size)
-    best = choose_layout(args.config, args.overrides, info.world_size, profile, gpus_per_node=per_node)
+    kept = _kept_micro_batch(args, info.world_size)
+    try:
+        best = choose_layout(args.config, [*args.overrides, *kept], info.world_size, profile, gpus_per_node=per_node)
+    except ConfigError:
+        if not kept:
+            raise
+        best = choose_layout(args.config, args.overrides, info.world_size, profile, gpus_per_node=per_node)
+        if info.is_main:
+            print(f"--layout auto: no layout on {info.world_size} ranks keeps the previous start's "
+                  f"{kept[0].split('=')[1]}-sequence micro-batches; the balance loss now sees other micro-batches, "
+                  f"so the loss curve shifts slightly", file=sys.stderr)
+        kept = []
     choice = {"profile": profile, "step_s": best.step_s, "tokens_per_s": best.tokens_per_s,
               "memory_gib": best.memory["total"] / 2**30}
     if info.is_main:
         print(f"--layout auto on {info.world_size} × {profile}: {best.layout.label()} ({' '.join(best.layout.overrides())}); "
               f"predicted {best.step_s:.3g} s/step, {choice['memory_gib']:.2f} GiB per rank", file=sys.stderr)
-    return [*args.overrides, *best.layout.overrides()], choice
+    return [*args.overrides, *kept, *best.layout.overrides()], choice
+
+
+def _kept_micro_batch(args, world_size: int) -> list[str]:
+    """["train.micro_batch_size=N"]: the last start's micro-batch, for a run resumed without one set."""
+    from pathlib import Path
+
+    from moetron.launcher.config import ConfigError, load_config
+    from moetron.launcher.train.layout_log import previous_micro_batch
+
+    if args.resume == "none":
+        return []
+    try:
+        cfg = load_config(args.config, [*args.overrides, "train.grad_accum=1"], world_size=world_size)
+    except ConfigError:
+        return []  # choose_layout says what is wrong
+    size = None if cfg.train.micro_batch_size else previous_micro_batch(Path(cfg.train.run_dir) / cfg.run_name)
+    return [f"train.micro_batch_size={size}"] if size else []
 
 
 def _this_device() -> str:

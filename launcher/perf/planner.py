@@ -166,12 +166,15 @@ AC_MODES = ("none", "selective", "full")
 def variants(cfg: Config, par: ParallelConfig) -> list[Layout]:
     """The train settings tried with one parallel section, cheapest in memory last: gradient
     accumulation from 1 up (smaller micro-batches, each still divisible into the pipeline's
-    micro-batches), then the same with selective and with full activation checkpointing."""
+    micro-batches; only the one giving train.micro_batch_size where that is set), then the same
+    with selective and with full activation checkpointing."""
     if cfg.train.batch_size % par.dp:
         return []
     per_rank = cfg.train.batch_size // par.dp
     micro = par.microbatches if par.pp > 1 else 1
     accums = [a for a in _divisors(per_rank) if a <= 64 and (per_rank // a) % micro == 0]
+    if cfg.train.micro_batch_size:  # only the accumulation that gives the micro-batch asked for
+        accums = [a for a in accums if per_rank // (a * micro) == cfg.train.micro_batch_size]
     return [Layout(par, a, ac) for ac in AC_MODES for a in accums]
 
 

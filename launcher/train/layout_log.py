@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from moetron.launcher.config import Config
+from moetron.launcher.config import Config, sequences_per_micro_batch
 from moetron.launcher.perf.planner import Layout
 
 LAYOUTS = "layouts.jsonl"
@@ -27,12 +27,20 @@ def record_start(run: Path, cfg: Config, step: int, world_size: int, choice: dic
     lines = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     layout = layout_of(cfg)
     entry = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
-             "label": layout.label(), "overrides": layout.overrides(), "chosen_by": "auto" if choice else "config",
+             "label": layout.label(), "overrides": layout.overrides(), "micro_batch": sequences_per_micro_batch(cfg),
+             "chosen_by": "auto" if choice else "config",
              **({"prediction": choice} if choice else {})}
     # Every start stays, even one a later restart went back before: it happened.
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
     return (lines[-1] if lines else None), entry
+
+
+def previous_micro_batch(run: Path) -> int | None:
+    """Sequences per micro-batch of the run's last start (layouts.jsonl), or None before its first."""
+    path = run / LAYOUTS
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return json.loads(lines[-1]).get("micro_batch") if lines else None
 
 
 def change_line(before: dict, now: dict) -> str | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetron.launcher.config import load_config, validate_launch
+from moetron.launcher.config import ConfigError, load_config, sequences_per_micro_batch, validate_launch
 from moetron.launcher.perf.device_profiles import PROFILES, DeviceProfile, save_profile
 from moetron.launcher.perf.planner import Layout, plan, predict_memory
 from moetron.launcher.train.optim import build_optimizer
@@ -47,6 +47,28 @@ def test_every_layout_it_emits_is_accepted_by_train(config, gpus, per_node, batc
         assert seen["dp_mode"] == {"fsdp", "hsdp", "ddp", "zero1"}
     times = [p.step_s for p in result.ranked]
     assert times == sorted(times)
+
+
+def test_a_micro_batch_size_set_is_the_only_one_the_plan_uses_and_train_checks_it():
+    # 24 sequences on 4 ranks: without the setting each section's fastest fitting variant has the least
+    # accumulation (micro-batches of 3 to 24 sequences); with train.micro_batch_size=2, only the
+    # accumulation that gives 2 (dp4 ga3, dp2 ga6, ...).
+    free = plan(load_config(CONFIGS / "tiny.yaml", ["train.grad_accum=1", "train.batch_size=24"], world_size=4), 4,
+                PROFILES["H100"], gpus_per_node=4)
+    pinned = plan(load_config(CONFIGS / "tiny.yaml", ["train.grad_accum=1", "train.batch_size=24",
+                                                      "train.micro_batch_size=2"], world_size=4), 4,
+                  PROFILES["H100"], gpus_per_node=4)
+    sizes = lambda result: {sequences_per_micro_batch(load_config(  # noqa: E731
+        CONFIGS / "tiny.yaml", ["train.batch_size=24", *p.layout.overrides()], world_size=4)) for p in result.ranked}
+    assert pinned.ranked and sizes(pinned) == {2} and sizes(free) - {2}
+    for p in pinned.ranked:
+        validate_launch(load_config(CONFIGS / "tiny.yaml", ["train.batch_size=24", "train.micro_batch_size=2",
+                                                            *p.layout.overrides()], world_size=4), 4)
+    wrong = load_config(CONFIGS / "tiny.yaml", ["train.batch_size=24", "train.micro_batch_size=2", "parallel.dp=4",
+                                                "train.grad_accum=1"], world_size=4)
+    with pytest.raises(ConfigError, match=r"train.micro_batch_size = 2: the layout gives 6 sequences per micro-batch .*"
+                                          r"set train.grad_accum=3, or train.micro_batch_size=0"):
+        validate_launch(wrong, 4)
 
 
 def test_what_does_not_fit_is_dropped_with_the_reason():

@@ -58,10 +58,35 @@ def test_a_run_resumed_on_two_ranks_takes_the_planners_layout_and_continues_the_
 
     starts = [json.loads(line) for line in (tmp_path / "split" / "layouts.jsonl").read_text().splitlines()]
     assert [(s["step"], s["world_size"], s["chosen_by"]) for s in starts] == [(0, 1, "config"), (3, 2, "auto")]
+    # One process ran micro-batches of all 8 sequences: of the 2-rank layouts only those that split
+    # each sequence (cp2) or each layer (tp2, pp2) keep them whole.
+    assert starts[1]["micro_batch"] == 8 and "parallel.dp=1" in starts[1]["overrides"]
     assert starts[1]["prediction"]["profile"] == "cpu" and starts[1]["prediction"]["step_s"] > 0
     saved = (tmp_path / "split" / "config.yaml").read_text()
     assert all(o.split("=")[0].split(".")[-1] + ":" in saved for o in starts[1]["overrides"])
     assert "layout changed at step 3: 1 ranks" in grown.stdout + grown.stderr
+
+
+@pytest.mark.distributed
+def test_a_run_resumed_on_fewer_ranks_keeps_its_micro_batches_and_its_curve(tmp_path):
+    """2 ranks, then one process: `--layout auto` accumulates 2 micro-batches of the 4 sequences each
+    rank had, so every micro-batch's balance loss is the one it was (README, Losing nodes), and the
+    curve is one process's with the same micro-batches up to the order of sums."""
+    env = profile(tmp_path / "cache", 8e9)
+    base = [*SMALL, f"train.run_dir={tmp_path}"]
+    straight = moetron(1, *base, "train.name=straight", "train.grad_accum=2", env=env)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    first = moetron(2, *base, "train.name=split", "--exit-after", "3", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    shrunk = moetron(1, *base, "train.name=split", "--layout", "auto", env=env)
+    assert shrunk.returncode == 0, shrunk.stderr[-3000:]
+    starts = [json.loads(line) for line in (tmp_path / "split" / "layouts.jsonl").read_text().splitlines()]
+    assert [(s["world_size"], s["micro_batch"]) for s in starts] == [(2, 4), (1, 4)]
+    assert "train.grad_accum=2" in starts[1]["overrides"]
+    want, got = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
 
 
 def test_a_world_where_no_layout_fits_is_refused_before_anything_is_written(tmp_path):
