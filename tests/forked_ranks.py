@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -71,8 +72,7 @@ def run_rank(rank: int, ranks: int, port: int, request: dict, log: Path) -> int:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torchrun_env(rank, ranks, port)
     try:
         return run_request(request)
     except SystemExit as e:  # as the interpreter reads it: None is success, a message is 1
@@ -99,22 +99,39 @@ def wait_ranks(pids: list[int], timeout: float | None) -> list[int]:
     return [codes[p] for p in pids]
 
 
+def fork(body: Callable[[], int]) -> int:
+    """Fork a child that runs `body` and leaves with its status (1 if it raised); → the child's pid."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = body()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def torchrun_env(rank: int, ranks: int, port: int) -> None:
+    """The environment torchrun gives rank `rank` of `ranks` on this host."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 def launch(request: dict) -> dict:
-    ranks = request["ranks"]
+    ranks, cwd = request["ranks"], request.get("cwd", os.getcwd())
     logs = Path(tempfile.mkdtemp(prefix="forked-ranks-"))
-    port, pids = free_port(), []
-    for rank in range(ranks):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                os.chdir(request.get("cwd", os.getcwd()))
-                code = run_rank(rank, ranks, port, request, logs / f"{rank}.log")
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
+    port = free_port()
+
+    def rank_body(rank: int) -> Callable[[], int]:
+        def body() -> int:
+            os.chdir(cwd)
+            return run_rank(rank, ranks, port, request, logs / f"{rank}.log")
+
+        return body
+
+    pids = [fork(rank_body(rank)) for rank in range(ranks)]
     codes = wait_ranks(pids, request.get("timeout"))
     shown = [r for r, c in enumerate(codes) if c != 0] or [0]
     shown = sorted({0, *shown})

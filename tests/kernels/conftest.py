@@ -60,3 +60,20 @@ def close(seed):
         assert err <= tol * scale + 1e-12, f"{what}: max error {err:.3g} > {tol:.3g} x {scale:.3g} (seed {seed})"
 
     return check
+
+
+@pytest.fixture
+def compiles_like_eager(close):
+    """check(loss, q, k, v): torch.compile traces `loss` whole (aot_eager, fullgraph) and the
+    gradients of q, k and v through it equal eager ones."""
+
+    def check(loss, *qkv: torch.Tensor) -> None:
+        compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+        a = [t.clone().requires_grad_() for t in qkv]
+        b = [t.clone().requires_grad_() for t in qkv]
+        compiled(*a).backward()
+        loss(*b).backward()
+        for name, x, y in zip("qkv", a, b):
+            close(x.grad, y.grad, torch.float32, f"compiled d{name}")
+
+    return check

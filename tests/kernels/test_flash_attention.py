@@ -123,20 +123,14 @@ def test_torch_backend_gradcheck():
 
 
 @pytest.mark.parametrize("documents", [False, True])
-def test_traced_by_torch_compile(documents, close):
+def test_traced_by_torch_compile(documents, compiles_like_eager):
     q, k, v, slopes = _inputs(1, 4, 2, 9, 9, 16, torch.float32, torch.device("cpu"), alibi=True)
     doc_start = _doc_starts(9, [[4]]) if documents else None
 
     def loss(q, k, v):
         return flash_attention(q, k, v, True, slopes, doc_start_BS=doc_start).square().sum()
 
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    a = [t.clone().requires_grad_() for t in (q, k, v)]
-    b = [t.clone().requires_grad_() for t in (q, k, v)]
-    compiled(*a).backward()
-    loss(*b).backward()
-    for name, x, y in zip("qkv", a, b):
-        close(x.grad, y.grad, torch.float32, f"compiled d{name}")
+    compiles_like_eager(loss, q, k, v)
 
 
 def _doc_starts(S, bounds_per_row, device=torch.device("cpu")):

@@ -162,7 +162,7 @@ def test_triton_never_reads_past_the_head_dims(triton_target, close):
         close(leaf.grad, want, torch.float32, name)
 
 
-def test_traced_by_torch_compile_with_different_head_dims(close):
+def test_traced_by_torch_compile_with_different_head_dims(compiles_like_eager):
     """The forward op's fake implementation gives the output v's head dim, so torch.compile traces
     Dq ≠ Dv whole, and its gradients equal eager ones."""
     q, k, v, slopes_H, _ = _inputs(1, 4, 2, 9, 9, 12, 8, torch.float32, torch.device("cpu"), alibi=True)
@@ -170,13 +170,7 @@ def test_traced_by_torch_compile_with_different_head_dims(close):
     def loss(q, k, v):
         return flash_attention(q, k, v, True, slopes_H).square().sum()
 
-    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
-    a = [t.clone().requires_grad_() for t in (q, k, v)]
-    b = [t.clone().requires_grad_() for t in (q, k, v)]
-    compiled(*a).backward()
-    loss(*b).backward()
-    for name, x, y in zip("qkv", a, b):
-        close(x.grad, y.grad, torch.float32, f"compiled d{name}")
+    compiles_like_eager(loss, q, k, v)
 
 
 def test_head_blocks_and_tiles():

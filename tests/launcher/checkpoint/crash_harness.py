@@ -43,7 +43,7 @@ from moetron.launcher.data.tokenizer import ByteTokenizer
 
 # Run as a script; tests/forked_ranks.py starts the ranks of the test's other multi-rank launches.
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from forked_ranks import free_port, import_the_training_stack  # noqa: E402
+from forked_ranks import fork, free_port, import_the_training_stack, torchrun_env  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
 STEPS = 5
@@ -106,29 +106,23 @@ def skip_what_saves_do_not_touch() -> None:
 
 def start(cfg_overrides: list[str], ranks: int, stall: str | None = None) -> list[int]:
     """Fork `ranks` processes that train the config (resuming what the run folder holds)."""
-    port, pids = free_port(), []
-    for rank in range(ranks):
-        pid = os.fork()
-        if pid == 0:
-            code = 1
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, 1)
-                os.dup2(devnull, 2)
-                skip_what_saves_do_not_touch()
-                if stall:
-                    stall_saves(stall)
-                if ranks > 1:
-                    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
-                                      LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                from moetron.launcher.train.trainer import train
+    port = free_port()
 
-                train(load_config(TINY, cfg_overrides), console=lambda *_: None)
-                code = 0
-            finally:
-                os._exit(code)
-        pids.append(pid)
-    return pids
+    def train_rank(rank: int) -> int:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        skip_what_saves_do_not_touch()
+        if stall:
+            stall_saves(stall)
+        if ranks > 1:
+            torchrun_env(rank, ranks, port)
+        from moetron.launcher.train.trainer import train
+
+        train(load_config(TINY, cfg_overrides), console=lambda *_: None)
+        return 0
+
+    return [fork(lambda rank=rank: train_rank(rank)) for rank in range(ranks)]
 
 
 def wait_all(pids: list[int], timeout: float = 300) -> list[int]:

@@ -29,24 +29,17 @@ def hold() -> None:
 
 
 def install(where: str, at: int) -> None:
-    if where == "after":
-        after_step = CheckpointManager.after_step
+    """Hold this rank once it has finished step `at` ("after") or written its part of the save of
+    step `at` ("save")."""
+    cls, name = (CheckpointManager, "after_step") if where == "after" else (Checkpointer, "_finish_rank")
+    original = getattr(cls, name)
 
-        def held_after_step(self, step, skipped):
-            after_step(self, step, skipped)
-            if step == at:
-                hold()
+    def held(self, step, *args):
+        original(self, step, *args)
+        if step == at:
+            hold()
 
-        CheckpointManager.after_step = held_after_step
-    else:
-        finish_rank = Checkpointer._finish_rank
-
-        def held_finish_rank(self, step, tmp):
-            finish_rank(self, step, tmp)
-            if step == at:
-                hold()
-
-        Checkpointer._finish_rank = held_finish_rank
+    setattr(cls, name, held)
 
 
 if __name__ == "__main__":
