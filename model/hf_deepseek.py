@@ -50,6 +50,7 @@ import torch
 
 from moetron.model import hf_mtp
 from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
+from moetron.model.hf import experts_from_hf, experts_to_hf
 
 FAMILIES = ("deepseek_v2", "deepseek_v3")
 ARCHITECTURES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
@@ -74,6 +75,9 @@ DEFAULTS: dict[str, dict[str, Any]] = {
                     "first_k_dense_replace": 3, "norm_topk_prob": True, "rope_interleave": True,
                     "num_nextn_predict_layers": 1, "scoring_func": "sigmoid"},
 }
+
+# The (gate, up, down) projections of one expert in a DeepSeek folder.
+_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def claims(cfg: ModelConfig) -> str | None:
@@ -312,15 +316,7 @@ def layer_tensors_from_hf(get: Callable[[str], torch.Tensor], keys: set[str], cf
     bias_key = f"{hf}mlp.gate.e_score_correction_bias"
     if cfg.moe.bias_update_rate > 0:
         yield f"{ours}ffn.router.expert_bias_E", get(bias_key).float()
-    if f"{hf}mlp.experts.gate_up_proj" in keys:
-        gate_EFD, up_EFD = get(f"{hf}mlp.experts.gate_up_proj").chunk(2, dim=1)
-        experts = (gate_EFD.transpose(1, 2), up_EFD.transpose(1, 2), get(f"{hf}mlp.experts.down_proj").transpose(1, 2))
-    else:
-        def stack(name: str) -> torch.Tensor:
-            return torch.stack([get(f"{hf}mlp.experts.{e}.{name}.weight").t() for e in range(cfg.moe.num_experts)])
-
-        experts = (stack("gate_proj"), stack("up_proj"), stack("down_proj"))
-    for key, w in zip(("w_gate_EDF", "w_up_EDF", "w_down_EFD"), experts):
+    for key, w in experts_from_hf(get, keys, f"{hf}mlp.experts.", _EXPERT_NAMES, cfg.moe.num_experts):
         yield f"{ours}ffn.experts.{key}", w
 
 
@@ -364,10 +360,7 @@ def layer_tensors_to_hf(sd, cfg: ModelConfig, ours: str, hf: str, moe: bool) -> 
         bias = f"{ours}ffn.router.expert_bias_E"
         yield f"{hf}mlp.gate.e_score_correction_bias", (sd[bias] if cfg.moe.bias_update_rate > 0
                                                          else torch.zeros(cfg.moe.num_experts))
-    for name, key in zip(("gate_proj", "up_proj", "down_proj"), ("w_gate_EDF", "w_up_EDF", "w_down_EFD")):
-        w_E = sd[f"{ours}ffn.experts.{key}"]
-        for e in range(cfg.moe.num_experts):
-            yield f"{hf}mlp.experts.{e}.{name}.weight", w_E[e].t().contiguous()
+    yield from experts_to_hf(sd, f"{ours}ffn.experts.", f"{hf}mlp.experts.", _EXPERT_NAMES, cfg.moe.num_experts)
 
 
 def tensors_to_hf(model) -> Iterator[tuple[str, torch.Tensor]]:
