@@ -94,13 +94,7 @@ class Agents:
 
     def kill(self, agent: str) -> None:
         """The node dies: its agent and every process under it."""
-        proc = self.procs.pop(agent)
-        for pid in [proc.pid, *descendants(proc.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.wait()
+        kill_tree(self.procs.pop(agent))
 
     def wait(self, timeout: float = 600) -> None:
         for agent, proc in self.procs.items():
@@ -124,6 +118,16 @@ def descendants(pid: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process under it at once, as when their node dies; then reap `proc`."""
+    for pid in [proc.pid, *descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def losses(run: Path) -> dict[int, float]:

@@ -27,10 +27,8 @@ import contextlib
 import ctypes
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -92,6 +90,7 @@ def measure(name: str, steps: int, warmup: int = 2) -> dict:
     from comm_volume import CollectiveCounter  # bench/comm_volume.py, beside this script
     from gloo_ranks import local_part  # bench/gloo_ranks.py, beside this script
 
+    from moetron.launcher.perf.calibrate import timed_median
     from moetron.launcher.train.optim import optimizer_for
     from moetron.launcher.train.trainer import build_parallel_model, train_step
 
@@ -109,13 +108,7 @@ def measure(name: str, steps: int, warmup: int = 2) -> dict:
 
     for _ in range(warmup):
         step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    step_s = torch.tensor(statistics.median(times), dtype=torch.float64)
+    step_s = torch.tensor(timed_median(step, steps, warm=False), dtype=torch.float64)
     dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
     counter = CollectiveCounter()
     with counter:

@@ -394,6 +394,10 @@ def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+# The types a value must already have, as YAML reads it, and how an error names them.
+_EXACT_TYPES = {bool: "true or false", list: "a list", str: "a string"}
+
+
 def _coerce(tp: Any, value: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
@@ -409,9 +413,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{key} = {value!r}: must be one of {', '.join(map(str, choices))}")
         return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key} = {value!r}: must be true or false")
+    if tp in _EXACT_TYPES:
+        if not isinstance(value, tp):
+            raise ConfigError(f"{key} = {value!r}: must be {_EXACT_TYPES[tp]}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -433,14 +437,6 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(f"{key} = {value!r}: must be a list")
         item_tp = typing.get_args(tp)[0]
         return tuple(_coerce(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if tp is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} = {value!r}: must be a list")
-        return value
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key} = {value!r}: must be a string")
-        return value
     raise TypeError(f"unsupported config type {tp} for {key}")
 
 

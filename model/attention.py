@@ -34,6 +34,19 @@ from moetron.model.parallel_hooks import ParallelHooks
 from moetron.model.positions import RelativePositionBias, alibi_bias, apply_rope
 
 
+def append_positions(held: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...], length: int,
+                     what: str) -> tuple[torch.Tensor, ...]:
+    """Write each of `new` (B, ·, S, ·) into its preallocated buffer of `held` (B, ·, max_len, ·) at
+    positions [length, length + S) → the buffers' views of positions [0, length + S). Positions past
+    max_len are refused, the error naming the cache (`what`)."""
+    end = length + new[0].shape[2]
+    if end > held[0].shape[2]:
+        raise ValueError(f"{what} holds {held[0].shape[2]} positions; {end} requested")
+    for buffer, x in zip(held, new):
+        buffer[:, :, length:end] = x
+    return tuple(buffer[:, :, :end] for buffer in held)
+
+
 @dataclass
 class KVCache:
     """Keys and values of one layer for positions [0, length), preallocated to `max_len`."""
@@ -49,13 +62,9 @@ class KVCache:
 
     def append(self, k_BGSDh: torch.Tensor, v_BGSDh: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions and return keys and values for all positions so far."""
-        end = self.length + k_BGSDh.shape[2]
-        if end > self.k_BGLDh.shape[2]:
-            raise ValueError(f"KV cache holds {self.k_BGLDh.shape[2]} positions; {end} requested")
-        self.k_BGLDh[:, :, self.length : end] = k_BGSDh
-        self.v_BGLDh[:, :, self.length : end] = v_BGSDh
-        self.length = end
-        return self.k_BGLDh[:, :, :end], self.v_BGLDh[:, :, :end]
+        k, v = append_positions((self.k_BGLDh, self.v_BGLDh), (k_BGSDh, v_BGSDh), self.length, "KV cache")
+        self.length = k.shape[2]
+        return k, v
 
 
 @dataclass

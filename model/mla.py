@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetron.model.attention import attention_bias, eager_attention
+from moetron.model.attention import append_positions, attention_bias, eager_attention
 from moetron.model.config import MLAConfig, ModelConfig
 from moetron.model.parallel_hooks import ParallelHooks
 from moetron.model.positions import apply_rope
@@ -59,13 +59,10 @@ class LatentCache:
 
     def append(self, c_B1SR: torch.Tensor, k_rope_B1SDr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new positions and return the latent and k_rope of all positions so far."""
-        end = self.length + c_B1SR.shape[2]
-        if end > self.c_B1LR.shape[2]:
-            raise ValueError(f"latent cache holds {self.c_B1LR.shape[2]} positions; {end} requested")
-        self.c_B1LR[:, :, self.length : end] = c_B1SR
-        self.k_rope_B1LDr[:, :, self.length : end] = k_rope_B1SDr
-        self.length = end
-        return self.c_B1LR[:, :, :end], self.k_rope_B1LDr[:, :, :end]
+        c, k_rope = append_positions((self.c_B1LR, self.k_rope_B1LDr), (c_B1SR, k_rope_B1SDr), self.length,
+                                     "latent cache")
+        self.length = c.shape[2]
+        return c, k_rope
 
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:

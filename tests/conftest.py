@@ -161,6 +161,39 @@ def tmp_run_dir(tmp_path):
     return d
 
 
+@pytest.fixture
+def triton_target():
+    """(backend, device) for the Triton kernels: compiled on a GPU, interpreted on CPU."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        return "triton", torch.device("cuda")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set (tests/conftest.py sets it)")
+    return "interpret", torch.device("cpu")
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    """load(name) → bench/NAME.py imported as a module, so a test calls the script's own functions
+    (bench/ holds scripts, not a package)."""
+    import importlib.util
+
+    folder = Path(__file__).resolve().parents[1] / "bench"
+
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"{name}_bench", folder / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    return load
+
+
 @pytest.hookimpl(trylast=True)  # after tests/slurm/conftest.py has put its tests in one group
 def pytest_collection_modifyitems(items) -> None:
     """Start the long work first: the Slurm group (one unit on one worker, mostly waiting on the

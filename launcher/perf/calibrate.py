@@ -85,7 +85,7 @@ class Measurement:
     dtype_peaks: dict[str, float]
 
 
-def _timed(fn, repeats: int, warm: bool = True) -> float:
+def timed_median(fn, repeats: int, warm: bool = True) -> float:
     """Median seconds of `fn` over `repeats` calls (after one warm-up call when `warm`), all ranks in step."""
     if warm:
         fn()
@@ -143,8 +143,8 @@ def _concurrent(ranks: int, first: bool, tensors: dict, block_step) -> tuple[dic
     reps = 3 if first else 1  # later repeats add samples of their own: the best of all is kept
     big, small_t, large_t, shard_t, out_t = (tensors[k] for k in ("big", "small", "large", "shard", "out"))
     local = {"matmul_rate": _sustained_matmul(4096, 256, 1024, SUSTAINED_SECONDS),
-             "block_overhead": _timed(block_step, 8, first),
-             "hbm_bw": 2 * big.nbytes / _timed(lambda: big.clone(), reps, first)}
+             "block_overhead": timed_median(block_step, 8, first),
+             "hbm_bw": 2 * big.nbytes / timed_median(lambda: big.clone(), reps, first)}
     # torch 2.13 renamed the tensor forms *_single; older releases have only the old names.
     gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -154,7 +154,7 @@ def _concurrent(ranks: int, first: bool, tensors: dict, block_step) -> tuple[dic
                    "reduce_scatter": (lambda: scatter(shard_t, large_t), reps),
                    "all_to_all": (lambda: dist.all_to_all_single(out_t, large_t), reps),
                    "broadcast": (lambda: dist.broadcast(large_t, src=0), reps)}
-    return local, {name: _timed(fn, n, first) for name, (fn, n) in collectives.items()}
+    return local, {name: timed_median(fn, n, first) for name, (fn, n) in collectives.items()}
 
 
 def _bandwidths(seconds: dict[str, float], ranks: int) -> dict[str, float]:

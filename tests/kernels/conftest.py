@@ -1,8 +1,5 @@
-"""Fixtures for the kernel tests: where the Triton kernels run, fresh random inputs, and a
-scale-aware comparison with the reference."""
-
-import importlib.util
-import os
+"""Fixtures for the kernel tests: fresh random inputs and a scale-aware comparison with the
+reference (where the Triton kernels run, `triton_target`, is tests/conftest.py's)."""
 
 import pytest
 import torch
@@ -21,18 +18,6 @@ CPU_TOLERANCE = {torch.float32: 1e-5, torch.float16: 2 * 2**-10, torch.bfloat16:
 def tolerance(device: torch.device, dtype: torch.dtype) -> float:
     """Allowed max |actual - expected| / max |expected| for a result computed on `device` in `dtype`."""
     return (GPU_TOLERANCE if device.type == "cuda" else CPU_TOLERANCE)[dtype]
-
-
-@pytest.fixture
-def triton_target():
-    """(backend, device) for the Triton kernels: compiled on a GPU, interpreted on CPU."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    if torch.cuda.is_available():
-        return "triton", torch.device("cuda")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set (tests/conftest.py sets it)")
-    return "interpret", torch.device("cpu")
 
 
 @pytest.fixture

@@ -52,6 +52,24 @@ def _reference_grads(q, k, v, causal, slopes, do, doc_start_BS=None):
     return o64, lse64, q64.grad, k64.grad, v64.grad
 
 
+def _check_against_reference(case, q, k, v, causal, slopes, backend, close, doc_start_BS=None):
+    """The kernels' output, logsumexp and gradients (of one random output gradient) against the
+    float64 reference's, within `close`'s tolerance for q's dtype; → the kernels' (o, dq, dk)."""
+    dtype, D = q.dtype, q.shape[3]
+    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
+    o = flash_attention(q1, k1, v1, causal, slopes, doc_start_BS=doc_start_BS, backend=backend)
+    do = torch.randn_like(o)
+    o.backward(do)
+    o64, lse64, dq64, dk64, dv64 = _reference_grads(q, k, v, causal, slopes, do, doc_start_BS)
+    _, lse = torch.ops.moetron.flash_attention_fwd(q, k, v, causal, slopes, D**-0.5, backend, doc_start_BS)
+    close(o, o64, dtype, f"{case} o")
+    close(lse, lse64, torch.float32, f"{case} logsumexp")
+    close(q1.grad, dq64, dtype, f"{case} dq")
+    close(k1.grad, dk64, dtype, f"{case} dk")
+    close(v1.grad, dv64, dtype, f"{case} dv")
+    return o, q1.grad, k1.grad
+
+
 CASES = {
     # name: (B, H, G, S_Q, S_K, D, causal, alibi, dtype)
     "d32-causal": (1, 2, 2, 70, 70, 32, True, False, torch.float32),
@@ -71,19 +89,8 @@ def test_triton_matches_reference(case, triton_target, close):
     backend, device = triton_target
     B, H, G, S_Q, S_K, D, causal, alibi, dtype = CASES[case]
     q, k, v, slopes = _inputs(B, H, G, S_Q, S_K, D, dtype, device, alibi)
-    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-    o = flash_attention(q1, k1, v1, causal, slopes, backend=backend)
-    do = torch.randn_like(o)
-    o.backward(do)
-    o64, lse64, dq64, dk64, dv64 = _reference_grads(q, k, v, causal, slopes, do)
-    _, lse = torch.ops.moetron.flash_attention_fwd(q, k, v, causal, slopes, D**-0.5, backend)
-
-    assert o.dtype == dtype and q1.grad.dtype == dtype and k1.grad.dtype == dtype
-    close(o, o64, dtype, f"{case} o")
-    close(lse, lse64, torch.float32, f"{case} logsumexp")
-    close(q1.grad, dq64, dtype, f"{case} dq")
-    close(k1.grad, dk64, dtype, f"{case} dk")
-    close(v1.grad, dv64, dtype, f"{case} dv")
+    o, dq, dk = _check_against_reference(case, q, k, v, causal, slopes, backend, close)
+    assert o.dtype == dtype and dq.dtype == dtype and dk.dtype == dtype
 
 
 @pytest.mark.forked
@@ -202,18 +209,7 @@ def test_triton_with_documents_matches_reference(case, triton_target, close):
     S, bounds = DOC_LAYOUTS[layout]
     q, k, v, slopes = _inputs(2, H, G, S_Q or S, S, D, dtype, device, alibi)
     doc_start = _doc_starts(S, bounds, device).int()
-    q1, k1, v1 = (t.clone().requires_grad_() for t in (q, k, v))
-    o = flash_attention(q1, k1, v1, True, slopes, doc_start_BS=doc_start, backend=backend)
-    do = torch.randn_like(o)
-    o.backward(do)
-    o64, lse64, dq64, dk64, dv64 = _reference_grads(q, k, v, True, slopes, do, doc_start)
-    _, lse = torch.ops.moetron.flash_attention_fwd(q, k, v, True, slopes, D**-0.5, backend, doc_start)
-
-    close(o, o64, dtype, f"{case} o")
-    close(lse, lse64, torch.float32, f"{case} logsumexp")
-    close(q1.grad, dq64, dtype, f"{case} dq")
-    close(k1.grad, dk64, dtype, f"{case} dk")
-    close(v1.grad, dv64, dtype, f"{case} dv")
+    _check_against_reference(case, q, k, v, True, slopes, backend, close, doc_start)
 
 
 @pytest.mark.forked

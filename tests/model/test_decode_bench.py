@@ -2,7 +2,6 @@
 same greedy tokens and logits, and its quick run reports a speedup above 1 at the longer prompt
 with a FLOP ratio that matches the count worked out here from the built model's weights."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -16,11 +15,8 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "decode.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("decode_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(bench_script):
+    return bench_script("decode")
 
 
 def test_cached_and_recomputed_decoding_agree(bench):

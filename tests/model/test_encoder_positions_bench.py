@@ -3,21 +3,14 @@ trained with masked-language modelling on the standard library's English sentenc
 log V (uniform guessing over the byte vocabulary), and the RoPE − learned differential it
 reports is the difference of the runs' own losses."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "encoder_positions.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("encoder_positions", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(bench_script):
+    return bench_script("encoder_positions")
 
 
 def test_sentences_are_english_and_distinct(bench):

@@ -47,45 +47,31 @@ VARIANTS = {
 
 
 @pytest.fixture
-def transformers():
-    return pytest.importorskip("transformers")
+def hf_gpt_oss(transformers, randomize):
+    """→ build(**changes): a random GptOssForCausalLM in eager attention: every bias and sink drawn
+    non-zero (transformers starts them at zero), norm gains around 1, so a dropped or misplaced one
+    shows."""
 
+    def build(**changes):
+        torch.manual_seed(0)
+        config = transformers.GptOssConfig(**{**HF_BASE, **changes})
+        config._attn_implementation = "eager"
+        return randomize(transformers.GptOssForCausalLM(config).eval(), around_zero=("bias", "sinks"))
 
-def hf_gpt_oss(transformers, **changes):
-    """A random GptOssForCausalLM in eager attention: every bias and sink drawn non-zero (transformers
-    starts them at zero), norm gains around 1, so a dropped or misplaced one shows."""
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(**{**HF_BASE, **changes})
-    config._attn_implementation = "eager"
-    hf = transformers.GptOssForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
-            elif name.endswith(("bias", "sinks")):
-                p.normal_(0.0, 0.5)
-    return hf
-
-
-def tokens(batch=2, length=24, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
-    return ((want - got).abs().max() / want.abs().max()).item()
+    return build
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_from_hf_same_logits_greedy_and_exact_round_trip(transformers, hf_round_trip, variant):
-    hf = hf_gpt_oss(transformers, **VARIANTS[variant])
+def test_from_hf_same_logits_greedy_and_exact_round_trip(hf_gpt_oss, hf_round_trip, tokens, variant):
+    hf = hf_gpt_oss(**VARIANTS[variant])
     model = hf_round_trip(hf, tokens(), rtol=1e-4, prompt=4, new=16)
     assert hf_family(model.cfg) == "gpt_oss"
     assert [model.cfg.layer_window(i) for i in range(3)] == ([5, 0, 5] if variant == "yarn-sliding" else [0, 0, 0])
 
 
 @pytest.mark.oracles
-def test_to_hf_writes_absent_biases_as_zeros(transformers, tmp_path):
+def test_to_hf_writes_absent_biases_as_zeros(transformers, tokens, relative_error, tmp_path):
     """A moetron model with sinks but q/k/v biases only, no router or expert biases, a window on
     every layer: GPT-OSS holds it exactly (zero biases where moetron has none)."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32, max_seq_len=64,
@@ -114,7 +100,7 @@ def _quantized(E, R, G, seed):
 
 
 @pytest.mark.oracles
-def test_mxfp4_dequantizes_as_transformers_and_loads(transformers, tmp_path):
+def test_mxfp4_dequantizes_as_transformers_and_loads(hf_gpt_oss, tokens, relative_error, tmp_path):
     """Our dequantization against transformers' `convert_moe_packed_tensors`, bit for bit; then a
     folder with the experts in MXFP4 (as openai/gpt-oss-* ships them) loads to the model whose
     experts hold those dequantized weights."""
@@ -123,7 +109,7 @@ def test_mxfp4_dequantizes_as_transformers_and_loads(transformers, tmp_path):
 
     blocks, scales = _quantized(3, 40, 2, 0)
     assert torch.equal(dequantize_mxfp4(blocks, scales), convert_moe_packed_tensors(blocks, scales))
-    hf = hf_gpt_oss(transformers, num_hidden_layers=1, layer_types=["sliding_attention"])
+    hf = hf_gpt_oss(num_hidden_layers=1, layer_types=["sliding_attention"])
     sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
     for name, (R, G) in (("gate_up_proj", (64, 2)), ("down_proj", (64, 1))):
         blocks, scales = _quantized(6, R, G, 1 + len(name))
@@ -270,7 +256,7 @@ def test_backends_agree_with_window_and_sinks(window, sinks):
 
 
 @pytest.mark.parametrize("backend,sinks", [("eager", True), ("sdpa", False)])
-def test_window_cache_generation_equals_recomputing_the_prefix(backend, sinks):
+def test_window_cache_generation_equals_recomputing_the_prefix(tokens, backend, sinks):
     """Window 3 on two of three layers, 5-token prompts (longer than the window) and 12 new tokens:
     each sliding layer's cache holds 3 positions, and greedy decoding equals rerunning the prefix
     (with sinks every backend runs the eager reference; without, SDPA takes the window as a mask)."""

@@ -22,11 +22,6 @@ def moetron_mixtral(**changes) -> ModelConfig:
     return ModelConfig(**{**base, **changes})
 
 
-@pytest.fixture
-def transformers():
-    return pytest.importorskip("transformers")
-
-
 def hf_mixtral(transformers, **changes):
     """A randomly initialized MixtralForCausalLM; init_range 0.1 spreads router and attention
     scores out, so a wrong transpose or head layout would show far above the tolerance."""
@@ -37,21 +32,11 @@ def hf_mixtral(transformers, **changes):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**kwargs, **changes})).eval()
 
 
-def tokens(batch=2, length=24, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      attention_mask=torch.ones_like(prompt), pad_token_id=0)
-    return out[:, prompt.shape[1]:]
-
-
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", [{}, {"tie_word_embeddings": True,
                                           "rope_scaling": {"type": "linear", "factor": 2.0}}],
                          ids=["plain", "tied-linear-rope"])
-def test_from_hf_same_logits_and_greedy_continuation(transformers, tmp_path, variant):
+def test_from_hf_same_logits_and_greedy_continuation(transformers, tokens, hf_greedy, tmp_path, variant):
     hf = hf_mixtral(transformers, **variant)
     hf.save_pretrained(tmp_path)
     model = load_hf(tmp_path).eval()
@@ -65,17 +50,14 @@ def test_from_hf_same_logits_and_greedy_continuation(transformers, tmp_path, var
 
 
 @pytest.mark.oracles
-def test_from_hf_reads_the_fused_expert_layout(transformers, fused_hf_folder):
+def test_from_hf_reads_the_fused_expert_layout(transformers, fused_layout_logits, tokens):
     """Files written from a fused state dict directly (transformers 5.x) load too."""
-    hf = hf_mixtral(transformers)
-    folder = fused_hf_folder(hf)
-    ids = tokens()
-    with torch.no_grad():
-        assert (hf(ids).logits - load_hf(folder)(ids).logits_BSV).abs().max() < 1e-4
+    want, got = fused_layout_logits(hf_mixtral(transformers), tokens())
+    assert (want - got).abs().max() < 1e-4
 
 
 @pytest.mark.oracles
-def test_to_hf_same_logits_and_greedy_continuation(transformers, tmp_path):
+def test_to_hf_same_logits_and_greedy_continuation(transformers, tokens, hf_greedy, tmp_path):
     torch.manual_seed(3)
     model = build_model(moetron_mixtral()).eval()
     save_hf(model, tmp_path)

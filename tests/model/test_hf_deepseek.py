@@ -47,75 +47,57 @@ VARIANTS = {
                                     first_k_dense_replace=0, topk_method="group_limited_greedy", n_group=4,
                                     topk_group=2, routed_scaling_factor=16.0, rope_parameters=YARN),
 }
+LENGTH = 20  # positions of the ids every test here feeds
 
 
 @pytest.fixture
-def transformers():
-    return pytest.importorskip("transformers")
+def hf_model(transformers, randomize):
+    """→ build(variant): a random model of `variant`, norm gains around 1 and V3's correction bias
+    non-zero (both start as constants, which would hide a misplaced or missing tensor)."""
 
+    def build(variant: str):
+        family = variant.split("-")[0]
+        config_cls, model_cls = {
+            "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
+            "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[family]
+        torch.manual_seed(0)
+        hf = model_cls(config_cls(**{**BASE, **VARIANTS[variant]})).eval()
+        return randomize(hf, buffers=("e_score_correction_bias",))
 
-def hf_model(transformers, variant: str):
-    """A random model of `variant`, norm gains around 1 and V3's correction bias non-zero (both
-    start as constants, which would hide a misplaced or missing tensor)."""
-    family = variant.split("-")[0]
-    config_cls, model_cls = {"deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM),
-                             "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)}[family]
-    torch.manual_seed(0)
-    hf = model_cls(config_cls(**{**BASE, **VARIANTS[variant]})).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0.0, 0.1)
-    return hf
-
-
-def tokens(batch=2, length=20, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
-    return ((want - got).abs().max() / want.abs().max()).item()
+    return build
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_from_hf_same_logits_greedy_and_exact_round_trip(transformers, hf_round_trip, variant):
-    hf = hf_model(transformers, variant)
-    model = hf_round_trip(hf, tokens(), rtol=1e-4, prompt=5, new=16)
+def test_from_hf_same_logits_greedy_and_exact_round_trip(hf_model, hf_round_trip, tokens, variant):
+    hf = hf_model(variant)
+    model = hf_round_trip(hf, tokens(length=LENGTH), rtol=1e-4, prompt=5, new=16)
     assert model.cfg.mla.enabled and model.cfg.mla.q_lora_rank == (hf.config.q_lora_rank or 0)
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v2-groups-yarn"])
-def test_from_hf_reads_the_fused_expert_layout(transformers, fused_hf_folder, variant):
+def test_from_hf_reads_the_fused_expert_layout(hf_model, fused_layout_logits, tokens, relative_error, variant):
     """Files written from transformers 5.x's in-memory state dict (mlp.experts.gate_up_proj) load too."""
-    hf = hf_model(transformers, variant)
-    folder = fused_hf_folder(hf)
-    ids = tokens()
-    with torch.no_grad():
-        assert relative_error(hf(ids).logits, load_hf(folder)(ids).logits_BSV) < 1e-4
+    want, got = fused_layout_logits(hf_model(variant), tokens(length=LENGTH))
+    assert relative_error(want, got) < 1e-4
 
 
-def moetron_model(**changes):
-    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=48, n_layers=3, n_heads=4, d_ff=64, max_seq_len=64,
-                                rope_theta=500.0, norm_eps=1e-6, init_std=0.1,
-                                mla=MLAConfig(kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                              v_head_dim=12),
-                                moe=MoEConfig(num_experts=8, top_k=2, d_expert=16, shared_expert_d_ff=32,
-                                              first_dense_layers=1)), **changes})
-    torch.manual_seed(3)
-    model = build_model(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias_E"):
-                b.normal_(0.0, 0.1)
-    return model
+@pytest.fixture
+def moetron_model(randomize):
+    """→ build(**changes): a small MLA model (norm gains and expert biases drawn), in eval mode."""
+
+    def build(**changes):
+        cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=48, n_layers=3, n_heads=4, d_ff=64, max_seq_len=64,
+                                    rope_theta=500.0, norm_eps=1e-6, init_std=0.1,
+                                    mla=MLAConfig(kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8,
+                                                  qk_rope_head_dim=8, v_head_dim=12),
+                                    moe=MoEConfig(num_experts=8, top_k=2, d_expert=16, shared_expert_d_ff=32,
+                                                  first_dense_layers=1)), **changes})
+        torch.manual_seed(3)
+        return randomize(build_model(cfg).eval(), buffers=("expert_bias_E",))
+
+    return build
 
 
 @pytest.mark.oracles
@@ -125,14 +107,14 @@ def moetron_model(**changes):
     (MoEConfig(num_experts=8, top_k=4, d_expert=16, shared_expert_d_ff=16, score="sigmoid", num_groups=4,
                topk_groups=2, route_scale=2.5), "deepseek_v3"),
 ])
-def test_to_hf_same_logits(transformers, tmp_path, moe, family):
+def test_to_hf_same_logits(transformers, moetron_model, tokens, relative_error, tmp_path, moe, family):
     """A moetron MLA model exported and loaded by AutoModelForCausalLM: the family follows the score
     (a sigmoid router without aux-loss-free balancing writes a zero correction bias)."""
     model = moetron_model(moe=moe)
     save_hf(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert hf.config.model_type == family
-    ids = tokens(seed=2)
+    ids = tokens(length=LENGTH, seed=2)
     with torch.no_grad():
         assert relative_error(hf(ids).logits, model(ids).logits_BSV) < 1e-4
 
@@ -148,7 +130,7 @@ def test_to_hf_same_logits(transformers, tmp_path, moe, family):
                        group_score_top=2, bias_update_rate=0.001, route_scale=2.5, first_dense_layers=1,
                        dense_layers=(1, 3))),
 ])
-def test_config_round_trip(changes):
+def test_config_round_trip(moetron_model, changes):
     cfg = moetron_model(n_layers=4, **changes).cfg
     assert config_from_hf(config_to_hf(cfg)) == cfg
 
@@ -183,7 +165,7 @@ def test_config_from_hf_refuses_what_moetron_cannot_express(hf, needle):
     assert "\n" not in str(err.value)
 
 
-def test_config_to_hf_names_what_the_family_cannot_express():
+def test_config_to_hf_names_what_the_family_cannot_express(moetron_model):
     v2 = moetron_model(moe=MoEConfig(num_experts=8, top_k=2, d_expert=16, shared_expert_d_ff=24, every=2,
                                      weighting="renormalize", num_groups=2, topk_groups=1)).cfg
     assert {k for k, _, _ in hf_problems(v2)} == {"moe.shared_expert_d_ff", "moe.weighting", "moe.group_score_top",
@@ -194,12 +176,12 @@ def test_config_to_hf_names_what_the_family_cannot_express():
 
 
 @pytest.mark.oracles
-def test_cli_convert_both_ways_and_v3_tensors_past_the_last_layer(transformers, tmp_path, capsys):
+def test_cli_convert_both_ways_and_v3_tensors_past_the_last_layer(transformers, hf_model, tmp_path, capsys):
     """`moetron convert` round trip; a V3 folder holding the multi-token-prediction layer
     (model.layers.{num_hidden_layers}.*) converts without it when num_nextn_predict_layers is 0."""
     from safetensors.torch import load_file, save_file
 
-    hf = hf_model(transformers, "deepseek_v3")
+    hf = hf_model("deepseek_v3")
     hf.save_pretrained(tmp_path / "hf")
     weights = load_file(tmp_path / "hf" / "model.safetensors")
     weights["model.layers.3.eh_proj.weight"] = torch.zeros(48, 96)
@@ -227,7 +209,7 @@ def test_presets_hold_the_published_sizes_and_export_as_their_family(preset, fam
 
 
 @pytest.mark.oracles
-def test_multi_token_prediction_layers_round_trip(transformers, tmp_path):
+def test_multi_token_prediction_layers_round_trip(transformers, moetron_model, tokens, relative_error, tmp_path):
     """mtp_depth 1 → num_nextn_predict_layers 1 and model.layers.{L}.* (model/hf_mtp.py), read back
     bit for bit; transformers reads the folder for the main model. A folder without those tensors
     (as save_pretrained writes) with num_nextn_predict_layers 1 converts as the main model alone."""
@@ -242,7 +224,7 @@ def test_multi_token_prediction_layers_round_trip(transformers, tmp_path):
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, theirs[name]), name
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ids = tokens(seed=4)
+    ids = tokens(length=LENGTH, seed=4)
     with torch.no_grad():
         assert relative_error(hf(ids).logits, model.eval()(ids).logits_BSV) < 1e-4
     hf.save_pretrained(tmp_path / "dropped")  # transformers keeps no MTP layer...

@@ -14,7 +14,7 @@ from moetron.launcher.cli.main import main
 from moetron.launcher.config import ConfigError, load_config
 from moetron.launcher.perf import flops
 from moetron.model.config import ModelConfig, MoEConfig
-from moetron.model.hf import config_from_hf, config_to_hf, hf_problems, load_hf, save_hf
+from moetron.model.hf import config_from_hf, config_to_hf, hf_problems, save_hf
 from moetron.model.transformer import build_model
 
 VOCAB = 96
@@ -34,55 +34,38 @@ FAMILIES = {
 
 
 @pytest.fixture
-def transformers():
-    return pytest.importorskip("transformers")
+def hf_model(transformers, randomize):
+    """→ build(variant): a randomly initialized model of the family named by `variant`. Norm gains
+    are drawn around 1 (not left at ones), so swapped, misplaced or missing q/k norms show far
+    above the tolerance."""
 
+    def build(variant: str):
+        family = variant.split("-")[0]
+        config_cls, model_cls = {"qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+                                 "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM)}[family]
+        torch.manual_seed(0)
+        return randomize(model_cls(config_cls(**{**BASE, **FAMILIES[variant]})).eval())
 
-def hf_model(transformers, variant: str, **changes):
-    """A randomly initialized model of the family named by `variant`. Norm gains are drawn around 1
-    (not left at ones), so swapped, misplaced or missing q/k norms show far above the tolerance."""
-    family = variant.split("-")[0]
-    kwargs = {**BASE, **FAMILIES[variant], **changes}
-    config_cls, model_cls = {"qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
-                             "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM)}[family]
-    torch.manual_seed(0)
-    hf = model_cls(config_cls(**kwargs)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
-    return hf
-
-
-def tokens(batch=2, length=24, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def relative_error(want: torch.Tensor, got: torch.Tensor) -> float:
-    return ((want - got).abs().max() / want.abs().max()).item()
+    return build
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", FAMILIES)
-def test_from_hf_same_logits_greedy_and_exact_round_trip(transformers, hf_round_trip, variant):
-    hf = hf_model(transformers, variant)
+def test_from_hf_same_logits_greedy_and_exact_round_trip(hf_model, hf_round_trip, tokens, variant):
+    hf = hf_model(variant)
     model = hf_round_trip(hf, tokens(), rtol=1e-5, prompt=6, new=8)
     assert model.cfg.qk_norm == ("projection" if variant == "olmoe" else "head")
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("qk_norm,weighting", [("head", "softmax"), ("projection", "renormalize")])
-def test_to_hf_same_logits(transformers, tmp_path, qk_norm, weighting):
+def test_to_hf_same_logits(transformers, randomize, tokens, relative_error, tmp_path, qk_norm, weighting):
     """A moetron model (norm gains randomized) exported and loaded by AutoModelForCausalLM."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64,
                       rope_theta=500.0, norm_eps=1e-6, init_std=0.1, qk_norm=qk_norm,
                       moe=MoEConfig(num_experts=8, top_k=2, weighting=weighting))
     torch.manual_seed(3)
-    model = build_model(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
+    model = randomize(build_model(cfg).eval())
     save_hf(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert hf.config.model_type == ("qwen3_moe" if qk_norm == "head" else "olmoe")
@@ -94,18 +77,15 @@ def test_to_hf_same_logits(transformers, tmp_path, qk_norm, weighting):
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", ["qwen3_moe", "olmoe"])
-def test_from_hf_reads_the_fused_expert_layout(transformers, fused_hf_folder, variant):
+def test_from_hf_reads_the_fused_expert_layout(hf_model, fused_layout_logits, tokens, relative_error, variant):
     """Files written from a fused state dict directly (transformers 5.x) load too."""
-    hf = hf_model(transformers, variant)
-    folder = fused_hf_folder(hf)
-    ids = tokens()
-    with torch.no_grad():
-        assert relative_error(hf(ids).logits, load_hf(folder)(ids).logits_BSV) < 1e-5
+    want, got = fused_layout_logits(hf_model(variant), tokens())
+    assert relative_error(want, got) < 1e-5
 
 
 @pytest.mark.oracles
-def test_cli_convert_both_ways_on_a_saved_folder(transformers, tmp_path, capsys):
-    hf = hf_model(transformers, "olmoe")
+def test_cli_convert_both_ways_on_a_saved_folder(transformers, hf_model, tmp_path, capsys):
+    hf = hf_model("olmoe")
     hf.save_pretrained(tmp_path / "hf")
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2")]) == 0

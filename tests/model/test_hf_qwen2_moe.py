@@ -33,45 +33,24 @@ VARIANTS = {
 
 
 @pytest.fixture
-def transformers():
-    return pytest.importorskip("transformers")
+def hf_model(transformers, randomize):
+    """→ build(variant): a randomly initialized Qwen2MoeForCausalLM. transformers starts biases at
+    zero and norm gains at one: both are drawn here, so a missing, swapped or misplaced one shows
+    far above the tolerance."""
 
+    def build(variant: str):
+        torch.manual_seed(0)
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**BASE, **VARIANTS[variant])).eval()
+        return randomize(hf, around_zero=(".bias", "shared_expert_gate.weight"))
 
-def hf_model(transformers, variant: str):
-    """A randomly initialized Qwen2MoeForCausalLM. transformers starts biases at zero and norm gains
-    at one: both are drawn here, so a missing, swapped or misplaced one shows far above the tolerance."""
-    torch.manual_seed(0)
-    hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**BASE, **VARIANTS[variant])).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.normal_(1.0, 0.3)
-            elif name.endswith(".bias") or name.endswith("shared_expert_gate.weight"):
-                p.normal_(0.0, 0.5)
-    return hf
-
-
-def tokens(batch=2, length=24, seed=1):
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
-
-
-def hf_greedy(hf, prompt, n):
-    out = hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      attention_mask=torch.ones_like(prompt), pad_token_id=0)
-    return out[:, prompt.shape[1]:]
-
-
-def assert_same_tensors(a, b):
-    theirs, ours = a.state_dict(), b.state_dict()
-    assert theirs.keys() == ours.keys()
-    for name, tensor in theirs.items():
-        assert torch.equal(tensor, ours[name]), name
+    return build
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_from_hf_same_logits_greedy_and_exact_round_trip(transformers, tmp_path, variant):
-    hf = hf_model(transformers, variant)
+def test_from_hf_same_logits_greedy_and_exact_round_trip(hf_model, hf_greedy, hf_reads_back, tokens, tmp_path,
+                                                          variant):
+    hf = hf_model(variant)
     hf.save_pretrained(tmp_path / "hf")
     model = load_hf(tmp_path / "hf").eval()
     cfg = model.cfg
@@ -85,17 +64,11 @@ def test_from_hf_same_logits_greedy_and_exact_round_trip(transformers, tmp_path,
         assert (want - model(ids).logits_BSV).abs().max() < 1e-4
     prompt = ids[:, :6]
     assert torch.equal(generate(model, prompt, 16), hf_greedy(hf, prompt, 16))
-
-    save_hf(model, tmp_path / "back")
-    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
-    assert type(again) is type(hf)
-    assert_same_tensors(hf, again)
-    with torch.no_grad():
-        assert torch.equal(again(ids).logits, want)
+    hf_reads_back(model, hf, ids, want)
 
 
 @pytest.mark.oracles
-def test_to_hf_same_logits(transformers, tmp_path):
+def test_to_hf_same_logits(transformers, tokens, tmp_path):
     """A moetron model with a gated shared expert (gate and q/k/v biases drawn non-zero), exported
     and loaded by AutoModelForCausalLM."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=64,
@@ -117,26 +90,23 @@ def test_to_hf_same_logits(transformers, tmp_path):
 
 
 @pytest.mark.oracles
-def test_from_hf_reads_the_fused_expert_layout(transformers, fused_hf_folder):
+def test_from_hf_reads_the_fused_expert_layout(hf_model, fused_layout_logits, tokens):
     """Files written from a fused state dict directly (transformers 5.x) load too."""
-    hf = hf_model(transformers, "renormalized")
-    folder = fused_hf_folder(hf)
-    ids = tokens()
-    with torch.no_grad():
-        assert (hf(ids).logits - load_hf(folder)(ids).logits_BSV).abs().max() < 1e-4
+    want, got = fused_layout_logits(hf_model("renormalized"), tokens())
+    assert (want - got).abs().max() < 1e-4
 
 
 @pytest.mark.oracles
-def test_cli_convert_streams_both_ways(transformers, tmp_path):
+def test_cli_convert_streams_both_ways(transformers, hf_model, same_tensors, tmp_path):
     """Through `moetron convert`, with the output in several shards: the same tensors come back."""
-    hf = hf_model(transformers, "renormalized")
+    hf = hf_model("renormalized")
     hf.save_pretrained(tmp_path / "hf")
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]) == 0
     assert main(["convert", "--to-hf", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2"),
                  "--max-shard-size", "100KB"]) == 0
     assert len(json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())["weight_map"]) > 1
     assert len(list((tmp_path / "hf2").glob("*.safetensors"))) > 1
-    assert_same_tensors(hf, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2"))
+    same_tensors(hf, transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf2"))
 
 
 @pytest.mark.parametrize("changes", [

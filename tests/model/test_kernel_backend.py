@@ -2,7 +2,6 @@
 same model output and gradients. On a GPU the real compiled kernels run; without one, Triton's
 interpreter runs the same kernels on the CPU."""
 
-import os
 
 import pytest
 import torch
@@ -11,23 +10,14 @@ from moetron.model.config import ModelConfig, MoEConfig
 from moetron.model.transformer import build_model
 
 
-def _triton_target() -> tuple[str, torch.device]:
-    pytest.importorskip("triton")
-    if torch.cuda.is_available():
-        return "triton", torch.device("cuda")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("no GPU and TRITON_INTERPRET is not set (tests/conftest.py sets it)")
-    return "interpret", torch.device("cpu")
-
-
 def _assert_near(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None:
     """max |got - want| <= rel * max |want|: tf32 errors scale with a tensor's largest entry."""
     err, scale = (got - want).abs().max().item(), want.abs().max().item()
     assert err <= rel * scale, f"{what}: max error {err:.3g} > {rel} x {scale:.3g}"
 
 
-def test_triton_kernels_match_the_torch_path():
-    backend, device = _triton_target()
+def test_triton_kernels_match_the_torch_path(triton_target):
+    backend, device = triton_target
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=2, n_kv_heads=1, d_ff=96, attention="triton",
                       position="alibi", moe=MoEConfig(num_experts=4, top_k=2, d_expert=48))

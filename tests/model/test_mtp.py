@@ -29,19 +29,21 @@ SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
          "model.moe.d_expert=64", "train.seq_len=32", "train.batch_size=4", "train.warmup_steps=2", "train.threads=1"]
 
 
-def model_of(depth: int, **changes) -> Decoder:
-    """A small MoE model (the first layer dense, so the MTP blocks are MoE like DeepSeek's) with
-    norm gains drawn around 1: a constant gain would hide a norm applied to the wrong tensor."""
-    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
-                                max_seq_len=64, norm_eps=1e-6, init_std=0.1, mtp_depth=depth, mtp_loss_weight=0.3,
-                                moe=MoEConfig(num_experts=4, top_k=2, d_expert=24, first_dense_layers=1)), **changes})
-    torch.manual_seed(0)
-    model = build_model(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-    return model
+@pytest.fixture
+def model_of(randomize):
+    """→ build(depth, **changes): a small MoE model (the first layer dense, so the MTP blocks are MoE
+    like DeepSeek's) with norm gains drawn around 1: a constant gain would hide a norm applied to
+    the wrong tensor."""
+
+    def build(depth: int, **changes) -> Decoder:
+        cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=48,
+                                    max_seq_len=64, norm_eps=1e-6, init_std=0.1, mtp_depth=depth, mtp_loss_weight=0.3,
+                                    moe=MoEConfig(num_experts=4, top_k=2, d_expert=24, first_dense_layers=1)),
+                             **changes})
+        torch.manual_seed(0)
+        return randomize(build_model(cfg))
+
+    return build
 
 
 def window(batch=3, length=17, seed=1) -> torch.Tensor:
@@ -81,7 +83,7 @@ def reference_loss(model: Decoder, window_BS1: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("depth", [1, 2])
-def test_loss_matches_the_papers_equations(depth):
+def test_loss_matches_the_papers_equations(model_of, depth):
     model = model_of(depth)
     ids = window()
     out = model(ids[:, :-1])
@@ -96,7 +98,7 @@ def test_loss_matches_the_papers_equations(depth):
     assert set(out.moe) == {1, *range(2, 2 + depth)}
 
 
-def test_gradient_reaches_the_shared_embedding_head_and_decoder():
+def test_gradient_reaches_the_shared_embedding_head_and_decoder(model_of):
     """The MTP loss alone: its gradient flows into the shared embedding (rows of the tokens ahead)
     and head, and back through h^0 into the decoder (the causal chain is kept, not detached)."""
     model = model_of(2)
@@ -112,7 +114,7 @@ def test_gradient_reaches_the_shared_embedding_head_and_decoder():
     assert rows[ids[:, 1:-1].unique()].all()
 
 
-def test_eval_and_decoding_use_the_main_head_only():
+def test_eval_and_decoding_use_the_main_head_only(model_of):
     """Without MTP modules (their weights aside) the same seed gives the same decoder, and eval,
     KV-cache decoding and the main logits ignore the modules."""
     with_mtp, without = model_of(2), model_of(0)
@@ -127,7 +129,7 @@ def test_eval_and_decoding_use_the_main_head_only():
         assert torch.equal(generate(with_mtp, ids[:, :4], 8), generate(without, ids[:, :4], 8))
 
 
-def test_expert_bias_rows_of_the_mtp_blocks():
+def test_expert_bias_rows_of_the_mtp_blocks(model_of):
     """Aux-loss-free routing: the MTP blocks' routers are named by their layer (n_layers + k − 1)."""
     model = model_of(2, moe=MoEConfig(num_experts=4, top_k=2, d_expert=24, score="sigmoid", bias_update_rate=0.01))
     assert sorted(biased_routers([model])) == [0, 1, 2, 3]
@@ -137,28 +139,27 @@ def test_expert_bias_rows_of_the_mtp_blocks():
 # Hugging Face: DeepSeek-V3 stores depth k as layer num_hidden_layers + k − 1
 
 
-def deepseek_v3(depth: int, n_layers: int = 2, device: str = "cpu", **changes) -> Decoder:
-    cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=48, n_layers=n_layers, n_heads=4, d_ff=64, max_seq_len=64,
-                                rope_theta=500.0, norm_eps=1e-6, init_std=0.1, mtp_depth=depth,
-                                mla=MLAConfig(kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                                              v_head_dim=12),
-                                moe=MoEConfig(num_experts=8, top_k=4, d_expert=16, shared_expert_d_ff=16,
-                                              score="sigmoid", num_groups=4, topk_groups=2, bias_update_rate=0.01,
-                                              route_scale=2.5, first_dense_layers=1)), **changes})
-    torch.manual_seed(3)
-    model = build_model(cfg, device=device)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.3)
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias_E"):
-                b.normal_(0.0, 0.1)
-    return model
+@pytest.fixture
+def deepseek_v3(randomize):
+    """→ build(depth, n_layers=2, device="cpu", **changes): a small DeepSeek-V3-like model (MLA,
+    sigmoid scores in groups, aux-loss-free balancing) with norm gains and expert biases drawn."""
+
+    def build(depth: int, n_layers: int = 2, device: str = "cpu", **changes) -> Decoder:
+        cfg = ModelConfig(**{**dict(vocab_size=VOCAB, d_model=48, n_layers=n_layers, n_heads=4, d_ff=64,
+                                    max_seq_len=64, rope_theta=500.0, norm_eps=1e-6, init_std=0.1, mtp_depth=depth,
+                                    mla=MLAConfig(kv_lora_rank=16, q_lora_rank=8, qk_nope_head_dim=8,
+                                                  qk_rope_head_dim=8, v_head_dim=12),
+                                    moe=MoEConfig(num_experts=8, top_k=4, d_expert=16, shared_expert_d_ff=16,
+                                                  score="sigmoid", num_groups=4, topk_groups=2, bias_update_rate=0.01,
+                                                  route_scale=2.5, first_dense_layers=1)), **changes})
+        torch.manual_seed(3)
+        return randomize(build_model(cfg, device=device), buffers=("expert_bias_E",))
+
+    return build
 
 
 @pytest.mark.oracles
-def test_logits_match_transformers_mtp_model_and_round_trip_is_exact(tmp_path):
+def test_logits_match_transformers_mtp_model_and_round_trip_is_exact(deepseek_v3, tmp_path):
     """save_hf writes model.layers.{2,3}.*; transformers' MtpModel (its own renaming of those
     tensors, its own layer) drafts from the main model's last hidden state: its logits at depth
     1 and 2 equal ours. load_hf of the folder gives back every tensor bit for bit."""
@@ -190,7 +191,7 @@ def test_logits_match_transformers_mtp_model_and_round_trip_is_exact(tmp_path):
             assert ((want - got).abs().max() / want.abs().max()).item() < 1e-5
 
 
-def test_names_are_deepseek_v3s_layer_61():
+def test_names_are_deepseek_v3s_layer_61(deepseek_v3):
     """The published V3 index names layer 61 so (bf16 names; its FP8 release adds weight_scale_inv
     beside the quantized matrices, which are a storage format and not read here)."""
     moe = MoEConfig(num_experts=256, top_k=8, d_expert=8, shared_expert_d_ff=8, score="sigmoid", num_groups=8,
@@ -251,7 +252,7 @@ def test_flops_count_the_modules(capsys):
     assert acct["params_active"] == flops.params_active(cfg.replace(mtp_depth=0))
 
 
-def test_counted_flops_agree_with_the_mtp_component():
+def test_counted_flops_agree_with_the_mtp_component(model_of):
     """A real step counted op by op: everything the modules run (their blocks, eh_proj, the shared
     head's extra pass) lands in "mtp", and matches the analytic count."""
     model = model_of(2)

@@ -13,21 +13,13 @@ first quarter.
   pre-norm. Checked as g_L(L=24) / g_L(L=6): ≈ 1 post, ≈ sqrt(6/24) = 0.5 pre.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "norm_depth.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("norm_depth", BENCH)
-    norm_depth = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(norm_depth)
-    return norm_depth
+def bench(bench_script):
+    return bench_script("norm_depth")
 
 
 @pytest.fixture(scope="module")

@@ -65,15 +65,8 @@ def reference_loss(model: Decoder, seq_len: int, longest: int, tokens: int, posi
     return ce_BS.double().mean().item()
 
 
-def eval_json(capsys, *args) -> dict:
-    assert main(["eval", *map(str, args), "--json"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1
-    return json.loads(out)
-
-
-def test_losses_by_length_and_bucket_equal_a_recomputed_loss(runs, capsys):
-    got = eval_json(capsys, runs["t5"], "--seq-len", "32,64,128", "--tokens", 512)
+def test_losses_by_length_and_bucket_equal_a_recomputed_loss(runs, cli_json):
+    got = cli_json("eval", runs["t5"], "--seq-len", "32,64,128", "--tokens", 512)
     assert [r["seq_len"] for r in got["results"]] == [32, 64, 128]
     # The same 512 target tokens at every length: the lengths divide the longest.
     assert {r["tokens"] for r in got["results"]} == {512}
@@ -101,11 +94,11 @@ ROPE_TABLES = {
 }
 
 
-def test_rope_scaling_overrides_apply_at_load_time_after_the_options(runs, capsys):
+def test_rope_scaling_overrides_apply_at_load_time_after_the_options(runs, cli_json):
     losses = {}
     for scaling, table in ROPE_TABLES.items():
         overrides = [] if scaling == "none" else [f"model.rope_scaling={scaling}", "model.rope_scaling_factor=4"]
-        got = eval_json(capsys, runs["rope"], "--seq-len", "128", "--tokens", 256, *overrides)
+        got = cli_json("eval", runs["rope"], "--seq-len", "128", "--tokens", 256, *overrides)
         assert got["overrides"] == overrides
         model = reference_model(runs["rope"], rope_scaling=scaling, rope_scaling_factor=4.0 if overrides else 1.0,
                                 rope_original_max_seq_len=64)

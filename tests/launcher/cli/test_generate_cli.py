@@ -27,15 +27,8 @@ def run(tmp_path_factory) -> Path:
     return runs / "tiny"
 
 
-def generate_json(capsys, *args) -> dict:
-    assert main(["generate", *map(str, args), "--json"]) == 0
-    out = capsys.readouterr().out
-    assert out.count("\n") == 1
-    return json.loads(out)
-
-
-def test_json_holds_the_new_tokens_and_their_text(run, capsys):
-    got = generate_json(capsys, run, "--prompt", "def ", "--max-new-tokens", 12, "--greedy")
+def test_json_holds_the_new_tokens_and_their_text(run, cli_json):
+    got = cli_json("generate", run, "--prompt", "def ", "--max-new-tokens", 12, "--greedy")
     assert list(got) == ["ids", "text"]
     _, model = load_model(resolve_checkpoint(run))
     tok = ByteTokenizer()
@@ -45,13 +38,13 @@ def test_json_holds_the_new_tokens_and_their_text(run, capsys):
     assert 1 <= len(want) <= 12 and max(want) < tok.vocab_size
 
 
-def test_run_folder_and_checkpoint_folder_agree_and_the_seed_fixes_samples(run, capsys):
+def test_run_folder_and_checkpoint_folder_agree_and_the_seed_fixes_samples(run, cli_json):
     ckpt = next((run / "checkpoints").glob("step-*"))
     sample = ["--prompt-ids", "100,101,102", "--max-new-tokens", 10, "--top-k", 20, "--top-p", 0.95,
               "--temperature", 1.3, "--ignore-eos"]
-    a = generate_json(capsys, run, *sample, "--seed", 1)
-    b = generate_json(capsys, ckpt, *sample, "--seed", 1)
-    c = generate_json(capsys, run, *sample, "--seed", 2)
+    a = cli_json("generate", run, *sample, "--seed", 1)
+    b = cli_json("generate", ckpt, *sample, "--seed", 1)
+    c = cli_json("generate", run, *sample, "--seed", 2)
     assert a == b and len(a["ids"]) == 10 and a != c
 
 

@@ -3,7 +3,6 @@ and the parameters and FLOPs per token its table reads from `moetron flops` equa
 here on the built models; the pairs meant to match in active FLOPs or in parameters do, up to the
 router."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -21,11 +20,8 @@ BENCH = Path(__file__).resolve().parents[3] / "bench" / "moe_tradeoff.py"
 
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("moe_tradeoff_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def bench(bench_script):
+    return bench_script("moe_tradeoff")
 
 
 @pytest.fixture(scope="module")

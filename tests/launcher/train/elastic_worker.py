@@ -42,6 +42,18 @@ def hold(where: str, step: int, until_signalled: bool) -> None:
         time.sleep(0.05)
 
 
+def hold_after(cls, name: str, where: str, at: int, until_signalled: bool) -> None:
+    """Wrap the method `cls.name(self, step, ...)` to hold once it has run for step `at`."""
+    original = getattr(cls, name)
+
+    def held(self, step, *args):
+        original(self, step, *args)
+        if step == at:
+            hold(where, step, until_signalled)
+
+    setattr(cls, name, held)
+
+
 def install(pauses: dict[str, int]) -> None:
     """Wrap the functions `pauses` holds in. Imported here, not at the top: a rank with no pause,
     or one refused at the start, loads the training stack only when `moetron train` does (a
@@ -54,23 +66,9 @@ def install(pauses: dict[str, int]) -> None:
     from moetron.launcher.train.checkpointer import CheckpointManager
 
     if "after" in pauses:
-        after_step = CheckpointManager.after_step
-
-        def paused_after_step(self, step, skipped):
-            after_step(self, step, skipped)
-            if step == pauses["after"]:
-                hold("after", step, until_signalled=True)
-
-        CheckpointManager.after_step = paused_after_step
+        hold_after(CheckpointManager, "after_step", "after", pauses["after"], until_signalled=True)
     if "save" in pauses:
-        finish_rank = Checkpointer._finish_rank
-
-        def paused_finish_rank(self, step, tmp):
-            finish_rank(self, step, tmp)
-            if step == pauses["save"]:
-                hold("save", step, until_signalled=False)
-
-        Checkpointer._finish_rank = paused_finish_rank
+        hold_after(Checkpointer, "_finish_rank", "save", pauses["save"], until_signalled=False)
     if "load" in pauses:
         load_checkpoint = trainer.load_checkpoint
 

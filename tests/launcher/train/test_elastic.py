@@ -15,7 +15,6 @@ sessions of their own: killing the agent's process group would leave them traini
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from moetron.launcher.perf.device_profiles import DeviceProfile, save_profile
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from elastic_recovery import descendants, losses  # noqa: E402  (the bench kills and reads runs the same way)
+from elastic_recovery import kill_tree, losses  # noqa: E402  (the bench kills and reads runs the same way)
 WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS = 10
 # A global batch of 12 rows divides among 1, 2, 3 and 4 ranks; a checkpoint every 2 steps.
@@ -106,13 +105,7 @@ class Nodes:
 
     def kill(self, name: str) -> None:
         """The node dies: its agent and every process under it, at once."""
-        agent = self.agents.pop(name)
-        for pid in [agent.pid, *descendants(agent.pid)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        agent.wait()
+        kill_tree(self.agents.pop(name))
 
     def finish(self, timeout: float = 180) -> dict[str, int]:
         try:

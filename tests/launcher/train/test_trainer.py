@@ -29,6 +29,15 @@ def records(run_path: Path) -> list[dict]:
     return [json.loads(line) for line in (run_path / "metrics.jsonl").read_text().splitlines()]
 
 
+def straight_and_resumed(run_dir, overrides, exit_after: int) -> tuple[list[dict], list[dict]]:
+    """The records of a run trained straight through ("straight") and of the same run stopped after
+    `exit_after` steps and resumed ("split")."""
+    straight = records(train(small(run_dir, *overrides, "train.name=straight"), console=lambda *_: None))
+    cfg = small(run_dir, *overrides, "train.name=split")
+    train(cfg, exit_after=exit_after, console=lambda *_: None)
+    return straight, records(train(cfg, console=lambda *_: None))
+
+
 def test_training_writes_metrics_and_learns(tmp_run_dir):
     run = train(small(tmp_run_dir, "train.steps=30", "train.name=learn"), console=lambda *_: None)
     recs = records(run)
@@ -54,11 +63,7 @@ def test_same_seed_same_losses_bit_for_bit(tmp_run_dir):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_is_bit_exact(tmp_run_dir, precision):
     """10 steps + resume + 10 steps equals 20 steps straight, every logged number of every step."""
-    straight = records(train(small(tmp_run_dir, "train.steps=20", "train.name=straight",
-                                   f"train.precision={precision}"), console=lambda *_: None))
-    cfg = small(tmp_run_dir, "train.steps=20", "train.name=split", f"train.precision={precision}")
-    train(cfg, exit_after=10, console=lambda *_: None)
-    resumed = records(train(cfg, console=lambda *_: None))
+    straight, resumed = straight_and_resumed(tmp_run_dir, ("train.steps=20", f"train.precision={precision}"), 10)
     keys = ("step", "loss", "lr", "tokens", "grad_norm", "val_loss")
     assert [{k: r.get(k) for k in keys} for r in straight] == [{k: r.get(k) for k in keys} for r in resumed]
 
@@ -67,10 +72,7 @@ def test_resume_with_dropout_and_router_jitter_is_bit_exact(tmp_run_dir):
     """With dropout and router jitter every step draws random numbers: the resumed run matches
     only if the checkpoint restored the generators' states, not just the weights and sampler."""
     noisy = ("train.steps=12", "train.precision=fp32", "model.dropout=0.1", "model.moe.jitter=0.1")
-    straight = records(train(small(tmp_run_dir, *noisy, "train.name=straight"), console=lambda *_: None))
-    cfg = small(tmp_run_dir, *noisy, "train.name=split")
-    train(cfg, exit_after=6, console=lambda *_: None)
-    resumed = records(train(cfg, console=lambda *_: None))
+    straight, resumed = straight_and_resumed(tmp_run_dir, noisy, 6)
     assert [(r["step"], r["loss"], r.get("grad_norm")) for r in straight] == \
            [(r["step"], r["loss"], r.get("grad_norm")) for r in resumed]
 
@@ -190,10 +192,7 @@ def test_aux_loss_free_routing_trains_and_resumes_bit_exactly(tmp_run_dir):
 
     free = ("train.steps=8", "train.precision=fp32", "model.moe.score=sigmoid", "model.moe.bias_update_rate=0.01",
             "model.moe.aux_loss_coef=0")
-    straight = records(train(small(tmp_run_dir, *free, "train.name=straight"), console=lambda *_: None))
-    cfg = small(tmp_run_dir, *free, "train.name=split")
-    train(cfg, exit_after=4, console=lambda *_: None)
-    resumed = records(train(cfg, console=lambda *_: None))
+    straight, resumed = straight_and_resumed(tmp_run_dir, free, 4)
     assert [(r["step"], r["loss"], r.get("grad_norm")) for r in straight] == \
            [(r["step"], r["loss"], r.get("grad_norm")) for r in resumed]
     a = consolidated_model_state(tmp_run_dir / "straight" / "checkpoints" / "step-00000008")
