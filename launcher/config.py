@@ -564,8 +564,8 @@ def _micro_batch_problem(cfg: Config) -> str | None:
     if not t.micro_batch_size or got == t.micro_batch_size:
         return None
     pipeline, per_rank = (p.microbatches if p.pp > 1 else 1), t.batch_size // p.dp
-    fix = (f"train.grad_accum={per_rank // (t.micro_batch_size * pipeline)}" if per_rank % (t.micro_batch_size * pipeline) == 0
-           else "another parallel.dp or train.batch_size")
+    chunks = t.micro_batch_size * pipeline
+    fix = f"train.grad_accum={per_rank // chunks}" if per_rank % chunks == 0 else "another parallel.dp or train.batch_size"
     return (f"train.micro_batch_size = {t.micro_batch_size}: the layout gives {got} sequences per micro-batch "
             f"(train.batch_size / (dp × grad_accum × pipeline micro-batches) = {t.batch_size} / ({p.dp} × "
             f"{t.grad_accum} × {pipeline})); set {fix}, or train.micro_batch_size=0")

@@ -57,14 +57,16 @@ def env(tmp_path_factory) -> dict:
     # The node names n1, n2 do not resolve: the ranks meet at this machine's address.
     env = {**clean, "MOETRON_SLURM_HOME": HOME, "MOETRON_SLURM_PORT": PORT, "MOETRON_SLURM_NODES": "2",
            "XDG_CACHE_HOME": str(cache), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1"}
-    start = Path(str(resources.files("moetron.slurm") / "start.sh"))
+    start, status, stop = (Path(str(resources.files("moetron.slurm") / f"{name}.sh")) for name in ("start", "status", "stop"))
+    # status.sh exits 3 when the cluster is down: then this test starts it, and stops it again.
+    was_up = subprocess.run(["bash", str(status)], env=env, capture_output=True, timeout=60).returncode != 3
     out = subprocess.run(["bash", str(start)], env=env, capture_output=True, text=True, timeout=180)
     if out.returncode != 0:
         pytest.fail(f"slurm/start.sh (2 nodes) failed:\n{out.stderr}", pytrace=False)
     env["SLURM_CONF"] = re.search(r"^export SLURM_CONF=(\S+)$", out.stdout, re.MULTILINE).group(1)
     yield env
-    # n2 was killed: bring it back, so the cluster is whole for the next session.
-    subprocess.run(["bash", str(start)], env=env, capture_output=True, text=True, timeout=180)
+    # n2 was killed: a cluster that ran before gets it back, whole for its owner; ours is stopped.
+    subprocess.run(["bash", str(start if was_up else stop)], env=env, capture_output=True, text=True, timeout=180)
 
 
 def run(argv, env, cwd=None, timeout=120) -> subprocess.CompletedProcess:
@@ -114,7 +116,8 @@ def test_a_job_that_loses_a_node_restarts_its_ranks_on_the_node_left(env, tmp_pa
     restarted = rf"moetron: job {job} lost a rank \(exit \d+\); restart 1 on the 1 node\(s\) left \(n1\)"
     assert re.search(restarted, text), text
     starts = [json.loads(line) for line in (run_path / "layouts.jsonl").read_text().splitlines()]
-    assert [(s["world_size"], s["label"], s["micro_batch"]) for s in starts] == [(4, "dp4 ddp", 3), (2, "dp2 ddp ga2", 3)], text
+    assert [(s["world_size"], s["label"], s["micro_batch"]) for s in starts] == [(4, "dp4 ddp", 3), (2, "dp2 ddp ga2", 3)], \
+        text
     assert starts[1]["step"] >= 4 and starts[1]["step"] % 2 == 0  # a checkpoint's step
     got, want = losses(run_path), losses(tmp_path / "straight")
     assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), text
