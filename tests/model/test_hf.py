@@ -22,22 +22,23 @@ def moetron_mixtral(**changes) -> ModelConfig:
     return ModelConfig(**{**base, **changes})
 
 
-def hf_mixtral(transformers, **changes):
+def hf_mixtral(transformers, randomize, **changes):
     """A randomly initialized MixtralForCausalLM; init_range 0.1 spreads router and attention
-    scores out, so a wrong transpose or head layout would show far above the tolerance."""
+    scores out, so a wrong transpose or head layout would show far above the tolerance, and random
+    norm gains (`randomize`) a misplaced norm."""
     kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
                   max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-6, initializer_range=0.1)
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**kwargs, **changes})).eval()
+    return randomize(transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**kwargs, **changes}))).eval()
 
 
 @pytest.mark.oracles
 @pytest.mark.parametrize("variant", [{}, {"tie_word_embeddings": True,
                                           "rope_scaling": {"type": "linear", "factor": 2.0}}],
                          ids=["plain", "tied-linear-rope"])
-def test_from_hf_same_logits_and_greedy_continuation(transformers, tokens, hf_greedy, tmp_path, variant):
-    hf = hf_mixtral(transformers, **variant)
+def test_from_hf_same_logits_and_greedy_continuation(transformers, randomize, tokens, hf_greedy, tmp_path, variant):
+    hf = hf_mixtral(transformers, randomize, **variant)
     hf.save_pretrained(tmp_path)
     model = load_hf(tmp_path).eval()
     assert model.cfg.tie_embeddings == bool(variant) and model.cfg.rope_scaling == ("linear" if variant else "none")
@@ -50,16 +51,16 @@ def test_from_hf_same_logits_and_greedy_continuation(transformers, tokens, hf_gr
 
 
 @pytest.mark.oracles
-def test_from_hf_reads_the_fused_expert_layout(transformers, fused_layout_logits, tokens):
+def test_from_hf_reads_the_fused_expert_layout(transformers, randomize, fused_layout_logits, tokens):
     """Files written from a fused state dict directly (transformers 5.x) load too."""
-    want, got = fused_layout_logits(hf_mixtral(transformers), tokens())
+    want, got = fused_layout_logits(hf_mixtral(transformers, randomize), tokens())
     assert (want - got).abs().max() < 1e-4
 
 
 @pytest.mark.oracles
-def test_to_hf_same_logits_and_greedy_continuation(transformers, tokens, hf_greedy, tmp_path):
+def test_to_hf_same_logits_and_greedy_continuation(transformers, randomize, tokens, hf_greedy, tmp_path):
     torch.manual_seed(3)
-    model = build_model(moetron_mixtral()).eval()
+    model = randomize(build_model(moetron_mixtral())).eval()
     save_hf(model, tmp_path)
     hf = transformers.MixtralForCausalLM.from_pretrained(tmp_path).eval()
     ids = tokens(seed=2)
