@@ -71,7 +71,7 @@ def test_from_hf_same_logits_greedy_and_exact_round_trip(hf_gpt_oss, hf_round_tr
 
 
 @pytest.mark.oracles
-def test_to_hf_writes_absent_biases_as_zeros(transformers, tokens, relative_error, tmp_path):
+def test_to_hf_writes_absent_biases_as_zeros(transformers, randomize, tokens, relative_error, tmp_path):
     """A moetron model with sinks but q/k/v biases only, no router or expert biases, a window on
     every layer: GPT-OSS holds it exactly (zero biases where moetron has none)."""
     cfg = ModelConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32, max_seq_len=64,
@@ -79,11 +79,7 @@ def test_to_hf_writes_absent_biases_as_zeros(transformers, tokens, relative_erro
                       sliding_window=6,
                       moe=MoEConfig(num_experts=4, top_k=2, swiglu_limit=2.0, swiglu_alpha=1.702, swiglu_up_offset=1.0))
     torch.manual_seed(3)
-    model = build_model(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("bias", "sinks.weight")):
-                p.normal_(0.0, 0.5)
+    model = randomize(build_model(cfg), around_zero=("bias", "sinks.weight")).eval()
     save_hf(model, tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert hf.config.layer_types == ["sliding_attention"] * 2 and hf.config.sliding_window == 6
