@@ -89,6 +89,21 @@ def test_a_run_resumed_on_fewer_ranks_keeps_its_micro_batches_and_its_curve(tmp_
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
 
 
+def test_a_resume_no_layout_can_keep_the_micro_batch_of_plans_freely_and_says_so(tmp_path):
+    """Halving the global batch at a resume leaves no layout with the previous 8-sequence micro-batch:
+    the plan is free, one line says the curve shifts, and the run trains on."""
+    env = profile(tmp_path / "cache", 8e9)
+    base = [*SMALL, f"train.run_dir={tmp_path}", "train.name=halved"]
+    first = moetron(1, *base, "--exit-after", "3", env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    halved = moetron(1, *base, "train.batch_size=4", "--layout", "auto", env=env)
+    assert halved.returncode == 0, halved.stderr[-3000:]
+    assert "no layout on 1 ranks keeps the previous start's 8-sequence micro-batches" in halved.stderr
+    starts = [json.loads(line) for line in (tmp_path / "halved" / "layouts.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["micro_batch"]) for s in starts] == [(0, 8), (3, 4)]
+    assert sorted(losses(tmp_path / "halved")) == list(range(1, 7))
+
+
 def test_a_world_where_no_layout_fits_is_refused_before_anything_is_written(tmp_path):
     env = profile(tmp_path / "cache", 1e5)  # 100 kB per rank: no layout of the model fits
     out = moetron(1, *SMALL, f"train.run_dir={tmp_path / 'runs'}", "train.name=none", "--layout", "auto", env=env)
