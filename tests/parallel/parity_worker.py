@@ -469,6 +469,8 @@ def compile_cache_use(before: torch.Tensor) -> dict:
 
 def main(names: list[str]) -> int:
     torch.set_num_threads(1)
+    # A compiled case whose frames Dynamo gives up on (and runs eagerly) fails instead of passing.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     dist.init_process_group("gloo")
     failures = 0
     try:
@@ -477,6 +479,11 @@ def main(names: list[str]) -> int:
         for name in names:
             t0 = time.perf_counter()
             try:
+                if name in COMPILED:
+                    # Each case's blocks are of another type (plain, FSDP-wrapped, pipeline stage):
+                    # left in place, the frames compiled for earlier cases count toward the recompile
+                    # limit, past which Dynamo would run this case's blocks eagerly, unnoticed.
+                    torch._dynamo.reset()
                 before = compile_cache_counts()
                 result = run_case(name, refs[reference_args(name)], mesh_for(case_config(name)[0], meshes))
                 if name in COMPILED:  # did it read its graphs from the caches or compile them?
