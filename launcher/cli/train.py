@@ -89,7 +89,8 @@ def _auto_layout(args, info) -> tuple[list[str], dict]:
 
     profile = args.gpu or _this_device()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or info.world_size)
-    kept = _kept_micro_batch(args, info.world_size)
+    size = _kept_micro_batch(args, info.world_size)
+    kept = [f"train.micro_batch_size={size}"] if size else []
     try:
         best = choose_layout(args.config, [*args.overrides, *kept], info.world_size, profile, gpus_per_node=per_node)
     except ConfigError:
@@ -98,7 +99,7 @@ def _auto_layout(args, info) -> tuple[list[str], dict]:
         best = choose_layout(args.config, args.overrides, info.world_size, profile, gpus_per_node=per_node)
         if info.is_main:
             print(f"--layout auto: no layout on {info.world_size} ranks keeps the previous start's "
-                  f"{kept[0].split('=')[1]}-sequence micro-batches; the balance loss now sees other micro-batches, "
+                  f"{size}-sequence micro-batches; the balance loss now sees other micro-batches, "
                   f"so the loss curve shifts slightly", file=sys.stderr)
         kept = []
     choice = {"profile": profile, "step_s": best.step_s, "tokens_per_s": best.tokens_per_s,
@@ -109,21 +110,21 @@ def _auto_layout(args, info) -> tuple[list[str], dict]:
     return [*args.overrides, *kept, *best.layout.overrides()], choice
 
 
-def _kept_micro_batch(args, world_size: int) -> list[str]:
-    """["train.micro_batch_size=N"]: the last start's micro-batch, for a run resumed without one set."""
+def _kept_micro_batch(args, world_size: int) -> int | None:
+    """Sequences per micro-batch of the run's last start, to keep at this resume; None for a fresh
+    start, or where the config sets train.micro_batch_size itself."""
     from pathlib import Path
 
     from moetron.launcher.config import ConfigError, load_config
     from moetron.launcher.train.layout_log import previous_micro_batch
 
     if args.resume == "none":
-        return []
+        return None
     try:
         cfg = load_config(args.config, [*args.overrides, "train.grad_accum=1"], world_size=world_size)
     except ConfigError:
-        return []  # choose_layout says what is wrong
-    size = None if cfg.train.micro_batch_size else previous_micro_batch(Path(cfg.train.run_dir) / cfg.run_name)
-    return [f"train.micro_batch_size={size}"] if size else []
+        return None  # choose_layout says what is wrong
+    return None if cfg.train.micro_batch_size else previous_micro_batch(Path(cfg.train.run_dir) / cfg.run_name)
 
 
 def _this_device() -> str:
