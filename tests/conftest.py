@@ -153,6 +153,25 @@ def forked_ranks():
     proc.wait()
 
 
+@pytest.fixture(scope="session")
+def forked_script(forked_ranks):
+    """run(script, ranks, args, timeout) → the JSON lines rank 0 of `python script args...` printed,
+    its ranks forked (forked_ranks), run from the repository's root; fails the test when a rank
+    failed before rank 0 printed any."""
+    root = Path(__file__).resolve().parents[1]
+
+    def run(script: Path, ranks: int, args: list[str], timeout: float) -> list[dict]:
+        answer = forked_ranks({"ranks": ranks, "script": str(script), "args": args, "cwd": str(root),
+                               "tail": 1 << 20, "timeout": timeout})
+        lines = [json.loads(line) for line in answer["output"]["0"].splitlines() if line.startswith("{")]
+        if answer["codes"] != [0] * ranks and not lines:
+            pytest.fail(f"{script.name} {' '.join(args)[:200]} on {ranks} ranks failed:\n"
+                        f"{json.dumps(answer['output'], indent=1)[-3000:]}")
+        return lines
+
+    return run
+
+
 @pytest.fixture
 def tmp_run_dir(tmp_path):
     """A fresh folder for run outputs (metrics, checkpoints, TensorBoard)."""

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).with_name("parity_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 LAUNCHES = {
     2: ["tp2", "tp2_sp", "tp2_sp_learned", "dp2_fsdp", "dp2_ddp", "ep2_fsdp", "ep2_ddp_capacity",
@@ -49,21 +48,10 @@ COMPILED = ["tp2_compiled", "ep2_fsdp_compiled", "pp2_1f1b_compiled", "dp2_ddp_c
 WARM = ["tp2_compiled", "dp2_ddp_compiled"]
 
 
-def launch(forked_ranks, world: int, cases: list[str]) -> list[dict]:
-    """Run `cases` on `world` ranks forked from one process (tests/forked_ranks.py); → rank 0's
-    JSON line per case."""
-    answer = forked_ranks({"ranks": world, "script": str(WORKER), "args": cases, "cwd": str(ROOT), "tail": 1 << 20,
-                           "timeout": 600})
-    results = [json.loads(line) for line in answer["output"]["0"].splitlines() if line.startswith("{")]
-    if answer["codes"] != [0] * world and not results:
-        pytest.fail(f"launch of {world} ranks failed:\n{json.dumps(answer['output'], indent=1)[-3000:]}")
-    return results
-
-
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4, pytest.param(8, marks=pytest.mark.slow)])
-def test_layouts_match_one_process(forked_ranks, world):
-    results = {r["case"]: r for r in launch(forked_ranks, world, LAUNCHES[world])}
+def test_layouts_match_one_process(forked_script, world):
+    results = {r["case"]: r for r in forked_script(WORKER, world, LAUNCHES[world], 600)}
     assert set(results) == set(LAUNCHES[world]), f"missing: {set(LAUNCHES[world]) - set(results)}"
     bad = [r for r in results.values() if not r["ok"]]
     assert not bad, json.dumps(bad, indent=1)
@@ -71,7 +59,7 @@ def test_layouts_match_one_process(forked_ranks, world):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_compiled_blocks_train_like_one_eager_process(forked_ranks):
+def test_compiled_blocks_train_like_one_eager_process(forked_script):
     """Compiled blocks on a cold and on a warm compile cache: a compiled loss under loss_parallel
     once came out right on a cold cache and wrong on a warm one. The first launch checks all four
     cases; a second launch (WARM: tp2_compiled, the case that went wrong, and dp2_ddp_compiled,
@@ -79,15 +67,15 @@ def test_compiled_blocks_train_like_one_eager_process(forked_ranks):
     first launch compiled nothing (every graph of the launch read from the caches, none missed, as
     on every run after the first on a machine), it was that warm launch already: it wrote nothing,
     so a second one would repeat it on the same caches, and is not run."""
-    first = checked_launch(forked_ranks, 1, COMPILED)
+    first = checked_launch(forked_script, 1, COMPILED)
     warm = all(first[c]["cache_hits"] > 0 for c in WARM) and not any(r["cache_misses"] for r in first.values())
     if not warm:
-        checked_launch(forked_ranks, 2, WARM)
+        checked_launch(forked_script, 2, WARM)
 
 
-def checked_launch(forked_ranks, launch_no: int, cases: list[str]) -> dict[str, dict]:
+def checked_launch(forked_script, launch_no: int, cases: list[str]) -> dict[str, dict]:
     """Run `cases` on 2 ranks and assert that each passed; → the results by case."""
-    results = {r["case"]: r for r in launch(forked_ranks, 2, cases)}
+    results = {r["case"]: r for r in forked_script(WORKER, 2, cases, 600)}
     assert set(results) == set(cases), f"launch {launch_no}, missing: {set(cases) - set(results)}"
     bad = [r for r in results.values() if not r["ok"]]
     assert not bad, f"launch {launch_no}: " + json.dumps(bad, indent=1)
