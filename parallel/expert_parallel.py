@@ -64,9 +64,19 @@ class AllToAllDispatcher:
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         """→ x_RD (this rank's experts' rows, grouped by local expert), offsets_El, state."""
-        P, El = self.ep, self.local_experts
         x_AD, offsets_E, local_state = self.local.dispatch(x_TD, routing)
         counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).to(torch.int64)
+        x_RD, offsets_El, regroup_R, send_splits, recv_splits = self._send_rows(x_AD, counts_E)
+        return x_RD, offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
+
+    # The row exchanges run eagerly, also inside a compiled block: their split sizes are data, and
+    # compiled they would be guarded on, so every block would compile three times (static sizes,
+    # then dynamic ones, then again for a rank that receives no rows). Outside, the graph after the
+    # exchange sees R as dynamic from its first compile.
+    @torch.compiler.disable
+    def _send_rows(self, x_AD: torch.Tensor, counts_E: torch.Tensor):
+        """→ (x_RD in (local expert, source) order, offsets_El, regroup_R, send_splits, recv_splits)."""
+        P, El = self.ep, self.local_experts
         # Counts first: every rank must know how many rows it receives before the rows move.
         recv_counts_PEl = torch.empty_like(counts_E)
         dist.all_to_all_single(recv_counts_PEl, counts_E, group=self.group)
@@ -78,7 +88,9 @@ class AllToAllDispatcher:
         x_RD = all_to_all_single_autograd(x_AD[: sum(send_splits)], recv_splits, send_splits, self.group)
         regroup_R = _source_major_to_expert_major(recv_counts_PEl)
         offsets_El = torch.cumsum(recv_counts_PEl.sum(0), 0).to(torch.int32)
-        return x_RD[regroup_R], offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
+        x_RD = x_RD[regroup_R]
+        torch._dynamo.maybe_mark_dynamic(x_RD, 0)
+        return x_RD, offsets_El, regroup_R, send_splits, recv_splits
 
     def spread(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """(kept routes per token sent to another ep rank, ep ranks reached per token): `route_spread`."""
@@ -86,12 +98,18 @@ class AllToAllDispatcher:
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
         """y_RD in (local expert, source) order → y_TD of this rank's tokens."""
+        return self.local.combine(self._return_rows(y_RD, state), state.local)
+
+    @torch.compiler.disable  # eager, as _send_rows
+    def _return_rows(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
+        """y_RD → y_AD: the rows back on the rank they came from, in its dispatch order, with zero
+        rows for its dropped routes (A is then every route of its tokens, a size known in advance)."""
         y_source_major_RD = torch.empty_like(y_RD).index_copy(0, state.regroup_R, y_RD)
         y_AD = all_to_all_single_autograd(y_source_major_RD, state.send_splits, state.recv_splits, self.group)
         dropped = len(state.local.token_R) - y_AD.shape[0]
         if dropped:
             y_AD = torch.cat([y_AD, y_AD.new_zeros(dropped, y_AD.shape[1])])
-        return self.local.combine(y_AD, state.local)
+        return y_AD
 
 
 @torch.no_grad()

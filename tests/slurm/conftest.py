@@ -29,6 +29,7 @@ _LAUNCH_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 HERE = Path(__file__).parent
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist names each test's group from its marks
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         if HERE in item.path.parents:
