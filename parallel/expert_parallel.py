@@ -61,19 +61,21 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ep
         # Exact groups: the rows are sent as they are, with no padding rows among them.
         self.local = LocalDispatcher()
+        # The row exchanges run eagerly, also inside a compiled block: their split sizes are data,
+        # and compiled they would be guarded on, so every block would compile three times (static
+        # sizes, then dynamic ones, then again for a rank that receives no rows). Outside, the graph
+        # after the exchange sees R as dynamic from its first compile. (Unbound, so that a copy of
+        # the dispatcher does not call into this one.)
+        self._send_eagerly = torch.compiler.disable(AllToAllDispatcher._send_rows)
+        self._return_eagerly = torch.compiler.disable(AllToAllDispatcher._return_rows)
 
     def dispatch(self, x_TD: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, AllToAllState]:
         """→ x_RD (this rank's experts' rows, grouped by local expert), offsets_El, state."""
         x_AD, offsets_E, local_state = self.local.dispatch(x_TD, routing)
         counts_E = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).to(torch.int64)
-        x_RD, offsets_El, regroup_R, send_splits, recv_splits = self._send_rows(x_AD, counts_E)
+        x_RD, offsets_El, regroup_R, send_splits, recv_splits = self._send_eagerly(self, x_AD, counts_E)
         return x_RD, offsets_El, AllToAllState(local_state, regroup_R, send_splits, recv_splits)
 
-    # The row exchanges run eagerly, also inside a compiled block: their split sizes are data, and
-    # compiled they would be guarded on, so every block would compile three times (static sizes,
-    # then dynamic ones, then again for a rank that receives no rows). Outside, the graph after the
-    # exchange sees R as dynamic from its first compile.
-    @torch.compiler.disable
     def _send_rows(self, x_AD: torch.Tensor, counts_E: torch.Tensor):
         """→ (x_RD in (local expert, source) order, offsets_El, regroup_R, send_splits, recv_splits)."""
         P, El = self.ep, self.local_experts
@@ -98,9 +100,8 @@ class AllToAllDispatcher:
 
     def combine(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
         """y_RD in (local expert, source) order → y_TD of this rank's tokens."""
-        return self.local.combine(self._return_rows(y_RD, state), state.local)
+        return self.local.combine(self._return_eagerly(self, y_RD, state), state.local)
 
-    @torch.compiler.disable  # eager, as _send_rows
     def _return_rows(self, y_RD: torch.Tensor, state: AllToAllState) -> torch.Tensor:
         """y_RD → y_AD: the rows back on the rank they came from, in its dispatch order, with zero
         rows for its dropped routes (A is then every route of its tokens, a size known in advance)."""
