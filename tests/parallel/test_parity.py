@@ -63,7 +63,9 @@ def test_compiled_blocks_train_like_one_eager_process(forked_script):
     """Compiled blocks on a cold and on a warm compile cache: a compiled loss under loss_parallel
     once came out right on a cold cache and wrong on a warm one. The first launch checks all four
     cases; a second launch (WARM: tp2_compiled, the case that went wrong, and dp2_ddp_compiled,
-    whose loss is compiled, tp = 1) reads what the first left in torch's compile caches. Where the
+    whose loss is compiled, tp = 1) reads what the first left in torch's compile caches (on torch
+    2.13 only dp2_ddp's graphs come back: those of tp2 are keyed by their DeviceMesh's address, so
+    tp2 compiles again, as a restarted TP job does; it stays for a torch that keys them by value). Where the
     first launch compiled nothing (every graph of the launch read from the caches, none missed, as
     on every run after the first on a machine), it was that warm launch already: it wrote nothing,
     so a second one would repeat it on the same caches, and is not run."""
