@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from moetron.launcher.checkpoint.store import load_checkpoint
 from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distributed, shutdown
-from moetron.launcher.config import Config, validate_launch
+from moetron.launcher.config import Config, sequences_per_micro_batch, validate_launch
 from moetron.launcher.data.blend import BlendSampler, blend_sampler, blend_validation_batches
 from moetron.launcher.data.corpus import TokenData
 from moetron.launcher.data.mlm import MaskedLM
@@ -212,7 +212,7 @@ def build_parallel_model(cfg: Config, device: torch.device, packing: Packing | N
     `packing`: keep the documents of each window apart (data.document_mask)."""
     mesh = build_mesh(cfg.parallel, torch.distributed.get_world_size(), device.type)
     p, t = cfg.parallel, cfg.train
-    microbatch_BS = (t.batch_size // (p.dp * t.grad_accum * p.microbatches), t.seq_len)
+    microbatch_BS = (sequences_per_micro_batch(cfg), t.seq_len)  # read by a pipeline only
     return parallelize(build_model(cfg.model, device="meta"), mesh, p, seed=t.seed, device=device,
                        cross_entropy=next_token_cross_entropy, compile=t.compile,
                        activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS,
