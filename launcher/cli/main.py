@@ -10,6 +10,7 @@ import argparse
 import difflib
 import os
 import sys
+import time
 
 from moetron.launcher.cli import convert, data, evaluate, export, flops, generate, jobs, plan, submit, train
 
@@ -27,6 +28,8 @@ USER_ERRORS = (
 # Where each launcher puts a process's rank; the first one set wins (torchrun's RANK first, as in
 # launcher/cluster/bootstrap.py, which is not asked here: it may call mpi4py or scontrol).
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+# Seconds a rank other than 0 waits before exiting on a user error, so that rank 0 can print it.
+USER_ERROR_GRACE_S = 5.0
 
 
 def is_user_error(e: BaseException) -> bool:
@@ -91,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if is_rank_zero():
             print(f"moetron {args.command}: {e}", file=sys.stderr)
+        else:
+            # Under torchrun or mpirun the first rank to exit brings the others down, rank 0 too,
+            # which may not have said why yet (every rank meets the same error at about the same time).
+            time.sleep(USER_ERROR_GRACE_S)
         return 2
 
 
