@@ -554,7 +554,7 @@ def sequences_per_micro_batch(cfg: Config) -> int:
     """Sequences in each micro-batch a rank runs forward: the global batch cut into
     dp × grad_accum × (pipeline micro-batches) pieces."""
     p, t = cfg.parallel, cfg.train
-    return t.batch_size // max(p.dp * t.grad_accum * (p.microbatches if p.pp > 1 else 1), 1)
+    return t.batch_size // max(p.dp * t.grad_accum * p.pipeline_chunks, 1)
 
 
 def _micro_batch_problem(cfg: Config) -> str | None:
@@ -563,7 +563,7 @@ def _micro_batch_problem(cfg: Config) -> str | None:
     got = sequences_per_micro_batch(cfg)
     if not t.micro_batch_size or got == t.micro_batch_size:
         return None
-    pipeline, per_rank = (p.microbatches if p.pp > 1 else 1), t.batch_size // p.dp
+    pipeline, per_rank = p.pipeline_chunks, t.batch_size // p.dp
     chunks = t.micro_batch_size * pipeline
     fix = f"train.grad_accum={per_rank // chunks}" if per_rank % chunks == 0 else "another parallel.dp or train.batch_size"
     return (f"train.micro_batch_size = {t.micro_batch_size}: the layout gives {got} sequences per micro-batch "

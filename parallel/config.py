@@ -41,6 +41,11 @@ class ParallelConfig:
         return self.pp * self.dp * self.cp * self.tp
 
     @property
+    def pipeline_chunks(self) -> int:
+        """Micro-batches a pipeline cuts each rank's batch into: `microbatches` under pp > 1, else 1."""
+        return self.microbatches if self.pp > 1 else 1
+
+    @property
     def shard_group(self) -> int:
         """Data-parallel ranks that shard one copy of the weights (HSDP's dp_shard, else dp)."""
         return self.dp_shard if self.dp_mode == "hsdp" and self.dp_shard else self.dp

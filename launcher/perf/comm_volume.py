@@ -131,7 +131,7 @@ class _Step:
 
     @property
     def chunks(self) -> int:
-        return self.grad_accum * (self.par.microbatches if self.par.pp > 1 else 1)
+        return self.grad_accum * self.par.pipeline_chunks
 
     @property
     def seq_len(self) -> int:

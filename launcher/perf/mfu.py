@@ -189,7 +189,7 @@ def config_accounting(cfg, *, seq_len: int | None = None, batch: int | None = No
     length and batch, with the memory estimate for its parallel layout and precision."""
     par, t = cfg.parallel, cfg.train
     seq_len, batch = seq_len or t.seq_len, batch or t.batch_size
-    micro = max(batch // (par.dp * t.grad_accum * (par.microbatches if par.pp > 1 else 1)), 1)
+    micro = max(batch // (par.dp * t.grad_accum * par.pipeline_chunks), 1)
     memory = memory_per_rank(cfg.model, par, seq_len=seq_len, micro_batch=micro,
                              activation_checkpoint=t.activation_checkpoint,
                              activation_bytes=4 if t.precision == "fp32" else 2)

@@ -171,7 +171,7 @@ def variants(cfg: Config, par: ParallelConfig) -> list[Layout]:
     if cfg.train.batch_size % par.dp:
         return []
     per_rank = cfg.train.batch_size // par.dp
-    micro = par.microbatches if par.pp > 1 else 1
+    micro = par.pipeline_chunks
     accums = [a for a in _divisors(per_rank) if a <= 64 and (per_rank // a) % micro == 0]
     if cfg.train.micro_batch_size:  # only the accumulation that gives the micro-batch asked for
         accums = [a for a in accums if per_rank // (a * micro) == cfg.train.micro_batch_size]
@@ -226,7 +226,7 @@ def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0
     `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced)."""
     t, par = cfg.train, layout.parallel
     act_bytes = _activation_bytes(cfg)
-    chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
+    chunks = layout.grad_accum * par.pipeline_chunks
     micro = max(t.batch_size // (par.dp * chunks), 1)
     mem = memory_per_rank(cfg.model, par, seq_len=t.seq_len, micro_batch=micro,
                           activation_checkpoint=layout.activation_checkpoint, activation_bytes=act_bytes,
@@ -272,7 +272,7 @@ def _compute(cfg: Config, layout: Layout, profile: DeviceProfile) -> tuple[float
     last pipeline stage, which also holds the head and the MTP modules (their blocks too)."""
     m, t, par = cfg.model, cfg.train, layout.parallel
     ac, sac = layout.activation_checkpoint == "full", layout.activation_checkpoint == "selective"
-    chunks = layout.grad_accum * (par.microbatches if par.pp > 1 else 1)
+    chunks = layout.grad_accum * par.pipeline_chunks
     comp = flops_by_component(m, t.seq_len, causal=m.attention != "eager")
     rank_tokens = t.batch_size * t.seq_len / (par.dp * par.cp)
     experts = comp["experts"] / par.etp

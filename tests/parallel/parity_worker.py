@@ -326,7 +326,7 @@ def case_config(name: str) -> tuple[ParallelConfig, ModelConfig, int, int]:
     model_changes = {k: v for k, v in moe_changes.items() if k in model_fields}
     moe_only = {k: v for k, v in moe_changes.items() if k not in model_fields}
     model_cfg = MODEL.replace(moe=replace(MODEL.moe, **moe_only), **model_changes)
-    return pcfg, model_cfg, grad_accum, pcfg.microbatches if pcfg.pp > 1 else 1
+    return pcfg, model_cfg, grad_accum, pcfg.pipeline_chunks
 
 
 def reference_args(name: str) -> tuple:
