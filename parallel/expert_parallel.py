@@ -62,10 +62,10 @@ class AllToAllDispatcher:
         # Exact groups: the rows are sent as they are, with no padding rows among them.
         self.local = LocalDispatcher()
         # The row exchanges run eagerly, also inside a compiled block: their split sizes are data,
-        # and compiled they would be guarded on, so every block would compile three times (static
+        # and compiled they would be guarded on, so their frames would compile three times (static
         # sizes, then dynamic ones, then again for a rank that receives no rows). Outside, the graph
-        # after the exchange sees R as dynamic from its first compile. (Unbound, so that a copy of
-        # the dispatcher does not call into this one.)
+        # right after the exchange sees R as dynamic from its first compile. (Unbound, so that a
+        # copy of the dispatcher does not call into this one.)
         self._send_eagerly = torch.compiler.disable(AllToAllDispatcher._send_rows)
         self._return_eagerly = torch.compiler.disable(AllToAllDispatcher._return_rows)
 
