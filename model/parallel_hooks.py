@@ -6,13 +6,14 @@ Dh head dim, E experts.
 
 Each model object with a seam holds its own instance as `.hooks` and reads only its own fields:
 
-  holder     field            set by                          default (one process)
-  Decoder    sequence_shards  parallel/tensor_parallel.py     1: hidden-state input holds all S
-             token_positions  parallel/context_parallel.py    None: positions 0..S−1
-  Attention  kv_exchange      parallel/context_parallel.py    None: the S positions are the sequence
-  Router     sequence_sum     parallel/context_parallel.py    None: the tokens are whole sequences
-             batch_sum        parallel/global_balance.py      None: one process routes the global batch
-  MoELayer   dispatcher       parallel/expert_parallel.py     its LocalDispatcher (model/moe.py)
+  holder     field            set by                             default (one process)
+  Decoder    sequence_shards  parallel/tensor_parallel.py        1: hidden-state input holds all S
+             token_positions  parallel/context_parallel.py       None: positions 0..S−1
+  Attention  kv_exchange      parallel/context_parallel.py       None: the S positions are the sequence
+  Router     sequence_sum     parallel/context_parallel.py       None: the tokens are whole sequences
+             batch_sum        parallel/global_balance.py         None: one process routes the global batch
+             recomputable     parallel/activation_checkpoint.py  False: no forward runs again in backward
+  MoELayer   dispatcher       parallel/expert_parallel.py        its LocalDispatcher (model/moe.py)
 
 Instances are per object, not shared, so a seam may differ per layer (a test hands each layer's
 router its own global-batch loads). parallel/ sets these fields and no other attribute of a model
@@ -64,6 +65,10 @@ class ParallelHooks:
     sequence_sum: SequenceSum | None = None
     # Router (global-batch balance loss): adds the other ranks' routes per expert.
     batch_sum: BatchSum | None = None
+    # Router: activation checkpointing may run its forward again inside backward, where the routes
+    # it counts were counted already. Only then does it ask autograd whether a backward is running,
+    # a question torch.compile cannot trace (a graph break in every compiled block).
+    recomputable: bool = False
     # MoELayer: how its routes reach the experts and come back. The layer starts it as its own
     # LocalDispatcher; None only on objects that are not an MoE layer.
     dispatcher: Dispatcher | None = None

@@ -211,7 +211,8 @@ class Router(nn.Module):
         # Whether activation checkpointing recomputes this forward inside backward (a graph task
         # is then running): its routes were counted when the forward first ran. Asked only when
         # it matters, since torch.compile cannot trace the question (a graph break).
-        recomputed = (count_bias or global_batch) and torch._C._current_graph_task_id() != -1
+        recomputed = ((count_bias or global_batch) and self.hooks.recomputable
+                      and torch._C._current_graph_task_id() != -1)
         if count_bias and not recomputed:
             self.routed_E.append(counts_E.detach())
         # Before sequence_sum: batch_sum adds every other rank's tokens, cp ranks too.

@@ -77,6 +77,8 @@ def apply_activation_checkpointing(model: Decoder | nn.Module, mode: str = "full
     if mode == "none":
         return
     for block in model.blocks():
+        if isinstance(block.ffn, MoELayer):  # both modes replay the router in backward
+            block.ffn.router.hooks.recomputable = True
         if mode == "full":
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
             continue
