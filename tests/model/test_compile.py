@@ -19,25 +19,36 @@ def _block_loss(block):
     return loss
 
 
+# The dims of the model below, whose MoE blocks the 50-step test compiles as `apply_compile` does:
+# this test compiles a block of the same config on inputs of the same shape, so whichever of them
+# runs second on a machine reads the block's graphs from Inductor's on-disk caches.
+MODEL_DIMS = dict(vocab_size=320, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+BATCH, SEQ = 4, 32
+
+
 @pytest.mark.parametrize("capacity_factor", [None, 1.0])
 def test_moe_block_compiles_to_one_graph(capacity_factor):
     """A MoE block (the Mixtral layout: RMSNorm, RoPE, GQA, softmax top-2, SwiGLU experts),
     dropless or with a capacity, compiles to one graph: nothing in routing, dispatch or combine
-    has a shape that depends on the routing. The compiled block's loss and input gradient equal
-    eager's."""
+    has a shape that depends on the routing. The block compiled as train.compile compiles it gives
+    eager's loss and input gradient."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                      moe=MoEConfig(num_experts=8, top_k=2, d_expert=64, capacity_factor=capacity_factor,
-                                    aux_loss_coef=0.01))
-    block = build_model(cfg).layers["0"]
+    cfg = ModelConfig(**MODEL_DIMS, n_layers=1, moe=MoEConfig(num_experts=8, top_k=2, d_expert=64,
+                                                              capacity_factor=capacity_factor, aux_loss_coef=0.01))
+    model = build_model(cfg)
+    block = model.layers["0"]
     loss = _block_loss(block)
-    explained = torch._dynamo.explain(loss)(torch.randn(2, 32, 64))
+    explained = torch._dynamo.explain(block)(torch.randn(BATCH, SEQ, 64))
     assert explained.graph_break_count == 0, [b.reason for b in explained.break_reasons]
-    compiled = torch.compile(loss)
+    assert explained.graph_count == 1
+    compiled = build_model(cfg)
+    compiled.load_state_dict(model.state_dict())
+    apply_compile(compiled)
+    compiled_loss = _block_loss(compiled.layers["0"])
     for _ in range(3):
-        x_BSD = torch.randn(2, 32, 64, requires_grad=True)
-        got = compiled(x_BSD)
+        x_BSD = torch.randn(BATCH, SEQ, 64, requires_grad=True)
+        got = compiled_loss(x_BSD)
         (dx_got,) = torch.autograd.grad(got, x_BSD)
         want = loss(x_BSD)
         (dx_want,) = torch.autograd.grad(want, x_BSD)
@@ -62,9 +73,8 @@ def test_compiled_blocks_match_eager_and_do_not_recompile_as_routing_changes(cap
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=320, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64,
-                      moe=MoEConfig(num_experts=8, top_k=2, d_expert=64, capacity_factor=capacity_factor,
-                                    aux_loss_coef=0.01))
+    cfg = ModelConfig(**MODEL_DIMS, n_layers=2, moe=MoEConfig(num_experts=8, top_k=2, d_expert=64,
+                                                              capacity_factor=capacity_factor, aux_loss_coef=0.01))
     compiled, eager = build_model(cfg), build_model(cfg)
     eager.load_state_dict(compiled.state_dict())
     apply_compile(compiled)
@@ -73,7 +83,7 @@ def test_compiled_blocks_match_eager_and_do_not_recompile_as_routing_changes(cap
     worst = 0.0
     dropped: list[float] = []
     for step in range(50):
-        ids_BS1 = torch.randint(0, cfg.vocab_size, (4, 33))
+        ids_BS1 = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1))
         losses = []
         for model, opt in zip((compiled, eager), opts):
             loss = loss_of(model, ids_BS1, dropped if model is eager else None)
