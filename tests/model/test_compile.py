@@ -22,7 +22,7 @@ def _block_loss(block):
 # The dims of the model below, whose MoE blocks the 50-step test compiles as `apply_compile` does:
 # this test compiles a block of the same config on inputs of the same shape, so whichever of them
 # runs second on a machine reads the block's graphs from Inductor's on-disk caches.
-MODEL_DIMS = dict(vocab_size=320, d_model=64, n_heads=4, n_kv_heads=2, d_ff=128, max_seq_len=64)
+MODEL_DIMS = {"vocab_size": 320, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "d_ff": 128, "max_seq_len": 64}
 BATCH, SEQ = 4, 32
 
 
