@@ -467,6 +467,14 @@ def compile_cache_use(before: torch.Tensor) -> dict:
     return {"cache_hits": int(used[0]), "cache_misses": int(used[1])}
 
 
+def keyed_per_process(mesh) -> bool:
+    """Whether compiled graphs that take `mesh` as an input (DTensor's graphs, under TP) are cached
+    under keys no other process computes: torch 2.13's DeviceMesh pickles the Python hash it
+    caches, and that differs between processes (hash(None) on Python 3.11, a string's hash under
+    hash randomization). Such graphs compile again in every new process, as a restarted TP job's do."""
+    return mesh.__getstate__().get("_hash") is not None
+
+
 def main(names: list[str]) -> int:
     torch.set_num_threads(1)
     # A compiled case whose frames Dynamo gives up on (and runs eagerly) fails instead of passing.
@@ -488,6 +496,8 @@ def main(names: list[str]) -> int:
                 result = run_case(name, refs[reference_args(name)], mesh_for(case_config(name)[0], meshes))
                 if name in COMPILED:  # did it read its graphs from the caches or compile them?
                     result.update(compile_cache_use(before))
+                    tp_mesh = case_config(name)[0].tp > 1 and mesh_for(case_config(name)[0], meshes).sub("tp")
+                    result["keyed_per_process"] = bool(tp_mesh) and keyed_per_process(tp_mesh)
             except Exception as e:
                 if dist.get_rank() == 0:
                     traceback.print_exc()
