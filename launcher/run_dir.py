@@ -24,15 +24,10 @@ from pathlib import Path
 
 import yaml
 
-from moetron.launcher.checkpoint.io import (
-    CheckpointDamaged,
-    load_metadata,
-    read_state,
-    tensor_mismatches,
-    tensor_shapes,
-    verify_checkpoint,
-)
-from moetron.launcher.checkpoint.store import (
+# The checkpoint's files are read (checkpoint/io.py, which imports torch and DCP) only where a
+# checkpoint is there to resume: `moetron submit`, `status`, `logs` and `cancel` open run folders
+# without paying torch's import (~2 s of CPU each).
+from moetron.launcher.checkpoint.folders import (
     COMPLETE,
     complete_checkpoints,
     latest_checkpoint,
@@ -136,6 +131,8 @@ def _chosen(cfg: Config, ckpt: Path) -> Path:
 def damage(ckpt: Path) -> str | None:
     """What is wrong with a checkpoint's files, as one line (cheap: sizes, not hashes), or None.
     A checkpoint of a newer format is not damaged: its CheckpointError propagates."""
+    from moetron.launcher.checkpoint.io import CheckpointDamaged, verify_checkpoint
+
     try:
         return verify_checkpoint(ckpt)
     except CheckpointDamaged as e:
@@ -195,6 +192,8 @@ def write_run_dir(run: RunDir, cfg: Config) -> list[SetAside]:
 
 def checkpoint_step(ckpt: Path) -> int:
     """The step a checkpoint holds (its state.json's, else its folder name's)."""
+    from moetron.launcher.checkpoint.io import read_state
+
     return int(read_state(ckpt).get("step", step_of(ckpt)))
 
 
@@ -214,6 +213,8 @@ def _restarted_before_first_checkpoint(path: Path, cfg: Config) -> bool:
 def _check_same_model(cfg: Config, ckpt: Path) -> None:
     """Refuse to resume a checkpoint of another architecture, naming the first differing config
     key and the tensors that differ (shapes, missing or unexpected names)."""
+    from moetron.launcher.checkpoint.io import read_state
+
     saved = read_state(ckpt).get("config", {}).get("model", {})
     now = cfg.to_dict()["model"]
     for key in sorted(set(saved) | set(now)):
@@ -224,6 +225,7 @@ def _check_same_model(cfg: Config, ckpt: Path) -> None:
 
 def _tensor_differences(cfg: Config, ckpt: Path) -> str:
     """The checkpoint's tensors against a meta-device build of the configured model, as text."""
+    from moetron.launcher.checkpoint.io import load_metadata, tensor_mismatches, tensor_shapes
     from moetron.model.transformer import build_model
 
     expected = {k: tuple(v.shape) for k, v in build_model(cfg.model, device="meta").state_dict().items()}

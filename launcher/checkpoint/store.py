@@ -11,7 +11,7 @@ Layout of <run>/checkpoints/:
       manifest.json             size and sha256 of every file above (see checkpoint_io.py)
       COMPLETE                  written last, just before the rename
   .tmp-step-00000100/       a checkpoint being written; never read, removed by the next save
-  damaged-step-00000100/    a checkpoint found damaged by an automatic resume, set aside (`set_aside`):
+  damaged-step-00000100/    a checkpoint found damaged by an automatic resume, set aside (folders.py `set_aside`):
                             kept for inspection, never resumed from nor pruned
   latest                    name of the newest complete checkpoint, replaced atomically
 Only tensors and plain data are written, and only those are unpickled on load.
@@ -26,7 +26,6 @@ temporary folder and raises `CheckpointError`; the previous checkpoint and `late
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -41,6 +40,15 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+from moetron.launcher.checkpoint.folders import (
+    COMPLETE,
+    checkpoint_name,
+    complete_checkpoints,
+    fsync,
+    latest_checkpoint,
+    point_latest,
+    previous_checkpoint,
+)
 from moetron.launcher.checkpoint.io import (
     MANIFEST,
     CheckpointDamaged,
@@ -65,53 +73,7 @@ from moetron.launcher.checkpoint.state import (
 )
 from moetron.parallel.expert_shards import ExpertShards
 
-COMPLETE = "COMPLETE"
-DAMAGED = "damaged-"
 STATE_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def checkpoint_name(step: int) -> str:
-    return f"step-{step:08d}"
-
-
-def step_of(ckpt: Path) -> int:
-    return int(Path(ckpt).name.split("-")[-1])
-
-
-def complete_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Every complete checkpoint of a folder, oldest first."""
-    return sorted(p for p in Path(ckpt_root).glob("step-*") if (p / COMPLETE).is_file())
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint. A folder is named step-* only once COMPLETE is in it, so the
-    scan is authoritative; the `latest` pointer (for people and scripts) can lag one save behind
-    when a process dies between the rename and the pointer update, and must not lose that save."""
-    done = complete_checkpoints(ckpt_root)
-    return done[-1] if done else None
-
-
-def previous_checkpoint(ckpt: Path) -> Path | None:
-    """The newest complete checkpoint older than `ckpt` in the same folder."""
-    older = [p for p in complete_checkpoints(Path(ckpt).parent) if p.name < Path(ckpt).name]
-    return older[-1] if older else None
-
-
-def set_aside(ckpt: Path) -> Path:
-    """Rename a damaged checkpoint to damaged-step-N (damaged-step-N.2, … when that is taken) in its
-    folder, where nothing resumes from it or prunes it, and point `latest` at the newest complete
-    checkpoint left (or remove it when none is). Returns the new name. Nothing is deleted."""
-    ckpt = Path(ckpt)
-    target, n = ckpt.with_name(DAMAGED + ckpt.name), 2
-    while target.exists():
-        target, n = ckpt.with_name(f"{DAMAGED}{ckpt.name}.{n}"), n + 1
-    ckpt.rename(target)
-    newest = latest_checkpoint(ckpt.parent)
-    if newest is not None:
-        _point_latest(ckpt.parent, newest)
-    else:
-        (ckpt.parent / "latest").unlink(missing_ok=True)
-    return target
 
 
 def _distributed() -> bool:
@@ -218,7 +180,7 @@ class Checkpointer:
             names += [".metadata", "state.json"]
         part = tmp / f"{MANIFEST}.rank{self.rank}"
         part.write_text(json.dumps(manifest_part(tmp, names)))
-        _fsync(part)
+        fsync(part)
 
     def poll(self) -> Path | None:
         """The checkpoint in flight, finished, once every rank has written its part; else None.
@@ -276,11 +238,11 @@ class Checkpointer:
         for r in range(self.world):
             files.update(json.loads((tmp / f"{MANIFEST}.rank{r}").read_text()))
         write_manifest(tmp, files)
-        _fsync(tmp / MANIFEST)
+        fsync(tmp / MANIFEST)
 
     def _mark_complete(self, tmp: Path, final: Path) -> None:
         (tmp / COMPLETE).write_text(final.name + "\n")
-        _fsync(tmp / COMPLETE)
+        fsync(tmp / COMPLETE)
         for r in range(self.world):
             (tmp / f"{MANIFEST}.rank{r}").unlink()
 
@@ -290,7 +252,7 @@ class Checkpointer:
         tmp.rename(final)
 
     def _point_latest(self, final: Path) -> None:
-        _point_latest(self.root, final)
+        point_latest(self.root, final)
 
     def _prune(self, final: Path) -> None:
         older = [p for p in complete_checkpoints(self.root) if p != final]
@@ -312,15 +274,6 @@ class Checkpointer:
     def _barrier(self) -> None:
         if self._control is not None:
             dist.barrier(group=self._control)
-
-
-def _point_latest(root: Path, final: Path) -> None:
-    """Replace root/latest with `final`'s name, atomically."""
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name + "\n")
-    _fsync(pointer)
-    pointer.replace(root / "latest")
-    _fsync_dir(root)
 
 
 def _save_error(pending: _Pending, error: BaseException | None, previous: Path | None) -> CheckpointError:
@@ -461,16 +414,3 @@ def _load_error(path: Path, e: CheckpointException) -> CheckpointError:
             return CheckpointError(f"{inner}{'' if 'refused' in str(inner) else _offer(path)}")
     problem = f"reading its shards failed ({_root_cause(e)}): a file is cut short or overwritten"
     return CheckpointDamaged(f"checkpoint {path} is damaged: {problem}{_offer(path)}", problem)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

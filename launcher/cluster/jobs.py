@@ -177,7 +177,7 @@ class RunProgress:
 
 
 def run_progress(run_path: Path) -> RunProgress:
-    from moetron.launcher.checkpoint.store import latest_checkpoint
+    from moetron.launcher.checkpoint.folders import latest_checkpoint
 
     run_path = Path(run_path)
     steps = None

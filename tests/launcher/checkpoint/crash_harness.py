@@ -36,7 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetron.launcher.checkpoint.store import COMPLETE, Checkpointer, complete_checkpoints, step_of
+from moetron.launcher.checkpoint.folders import COMPLETE, complete_checkpoints, step_of
+from moetron.launcher.checkpoint.store import Checkpointer
 from moetron.launcher.config import load_config
 from moetron.launcher.data.corpus import write_shards
 from moetron.launcher.data.tokenizer import ByteTokenizer

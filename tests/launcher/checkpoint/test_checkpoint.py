@@ -27,14 +27,12 @@ from moetron.launcher.checkpoint.io import (
     read_manifest,
     verify_checkpoint,
 )
+from moetron.launcher.checkpoint.folders import complete_checkpoints, latest_checkpoint, set_aside
 from moetron.launcher.checkpoint.store import (
     Checkpointer,
-    complete_checkpoints,
     consolidated_model_state,
-    latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
-    set_aside,
 )
 
 

@@ -32,6 +32,31 @@ def test_a_config_error_loads_no_torch(tmp_path, command):
     assert proc.stderr.strip() == f"moetron {name}: model.d_model = -1: must be >= 1"
 
 
+# Commands that look at run folders and the queue: no model, no tensor. `status`, `logs` and `cancel`
+# find no Slurm here (exit 2 with one line, or an empty listing); the run folder's checkpoint is read
+# without torch (launcher/checkpoint/folders.py).
+CLUSTER_COMMANDS = [["submit", "tiny", "--dry-run", "train.run_dir=runs"], ["status"], ["status", "runs/tiny"],
+                    ["logs", "12345"], ["cancel", "12345"]]
+
+
+@pytest.mark.parametrize("command", CLUSTER_COMMANDS, ids=lambda c: "-".join(c[:2]))
+def test_the_cluster_commands_load_no_torch(tmp_path, command):
+    """`moetron submit` and the job commands run on login nodes, often in loops (watch moetron
+    status): each used to import torch for ~2 s of CPU; a run folder with a complete checkpoint in
+    it (listed by `status`) must not bring it back."""
+    checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("step-00000002\n")
+    code = ("import sys\nfrom moetron.launcher.cli.main import main\n"
+            f"status = main({command!r})\n"
+            "heavy = sorted(m for m in ('torch', 'triton', 'numpy') if m in sys.modules)\n"
+            "assert not heavy, f'imported: {heavy} (exit status {status})'\n")
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_only_rank_zero_prints_a_user_error():
     assert is_rank_zero({}) and is_rank_zero({"RANK": "0"}) and not is_rank_zero({"RANK": "1"})
     # srun and mpirun number their tasks in their own variables; torchrun's RANK wins over them.
