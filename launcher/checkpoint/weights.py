@@ -21,8 +21,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from moetron.launcher.checkpoint.io import CheckpointDamaged, CheckpointError, read_state, verify_checkpoint
 from moetron.launcher.checkpoint.folders import COMPLETE, latest_checkpoint, previous_checkpoint
+from moetron.launcher.checkpoint.io import CheckpointDamaged, CheckpointError, read_state, verify_checkpoint
 from moetron.launcher.checkpoint.store import load_checkpoint
 from moetron.launcher.config import Config, ConfigError, TrainConfig, apply_override, config_from_dict
 from moetron.launcher.data.tokenizer import HFTokenizer, Tokenizer, load_tokenizer

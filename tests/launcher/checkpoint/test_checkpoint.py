@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from moetron.launcher.checkpoint import store as checkpoint
+from moetron.launcher.checkpoint.folders import complete_checkpoints, latest_checkpoint, set_aside
 from moetron.launcher.checkpoint.io import (
     MANIFEST,
     CheckpointDamaged,
@@ -27,7 +28,6 @@ from moetron.launcher.checkpoint.io import (
     read_manifest,
     verify_checkpoint,
 )
-from moetron.launcher.checkpoint.folders import complete_checkpoints, latest_checkpoint, set_aside
 from moetron.launcher.checkpoint.store import (
     Checkpointer,
     consolidated_model_state,

@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetron.launcher.checkpoint.io import MANIFEST, verify_checkpoint
 from moetron.launcher.checkpoint.folders import COMPLETE
+from moetron.launcher.checkpoint.io import MANIFEST, verify_checkpoint
 from moetron.launcher.checkpoint.store import consolidated_model_state
 from moetron.launcher.config import load_config
 from moetron.launcher.perf.flops import flops_by_component, flops_per_token
