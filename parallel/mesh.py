@@ -32,10 +32,12 @@ layout fails with the rule named instead of hanging in a collective.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from moetron.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:  # torch is imported where a mesh is built: the planner reads the layout rules without it
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("pp", "rep", "edps", "cp", "ep", "tp")
 # Flattened groups: name → the mesh dims they join.
@@ -118,6 +120,8 @@ def build_mesh(cfg: ParallelConfig, world_size: int, device_type: str = "cpu") -
     The world size is checked first (`check_layout`), so a mismatch is refused before any
     sub-group is created.
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
     check_layout(cfg, world_size)
     mesh = init_device_mesh(device_type, mesh_shape(cfg), mesh_dim_names=MESH_DIMS)
     flat = {name: mesh[dims]._flatten(name) for name, dims in FLAT_DIMS.items()}

@@ -32,18 +32,18 @@ def test_a_config_error_loads_no_torch(tmp_path, command):
     assert proc.stderr.strip() == f"moetron {name}: model.d_model = -1: must be >= 1"
 
 
-# Commands that look at run folders and the queue: no model, no tensor. `status`, `logs` and `cancel`
-# find no Slurm here (exit 2 with one line, or an empty listing); the run folder's checkpoint is read
-# without torch (launcher/checkpoint/folders.py).
-CLUSTER_COMMANDS = [["submit", "tiny", "--dry-run", "train.run_dir=runs"], ["status"], ["status", "runs/tiny"],
-                    ["logs", "12345"], ["cancel", "12345"]]
+# Commands that plan or look at run folders and the queue: no model, no tensor. `status`, `logs` and
+# `cancel` find no Slurm here (one line, exit 2, or an empty listing); the run folder's checkpoint is
+# read without torch (launcher/checkpoint/folders.py), the layout rules too (parallel/mesh.py).
+LOGIN_NODE_COMMANDS = [["submit", "tiny", "--dry-run", "train.run_dir=runs"], ["status"], ["status", "runs/tiny"],
+                       ["logs", "12345"], ["cancel", "12345"], ["plan", "tiny", "--gpus", "8", "--json"]]
 
 
-@pytest.mark.parametrize("command", CLUSTER_COMMANDS, ids=lambda c: "-".join(c[:2]))
-def test_the_cluster_commands_load_no_torch(tmp_path, command):
-    """`moetron submit` and the job commands run on login nodes, often in loops (watch moetron
-    status): each used to import torch for ~2 s of CPU; a run folder with a complete checkpoint in
-    it (listed by `status`) must not bring it back."""
+@pytest.mark.parametrize("command", LOGIN_NODE_COMMANDS, ids=lambda c: "-".join(c[:2]))
+def test_the_login_node_commands_load_no_torch(tmp_path, command):
+    """`moetron plan`, `submit` and the job commands run on login nodes, often in loops (watch
+    moetron status): each used to import torch for ~2 s of CPU; a run folder with a complete
+    checkpoint in it (listed by `status`) must not bring it back."""
     checkpoint = tmp_path / "runs" / "tiny" / "checkpoints" / "step-00000002"
     checkpoint.mkdir(parents=True)
     (checkpoint / "COMPLETE").write_text("step-00000002\n")
