@@ -493,11 +493,12 @@ def main(names: list[str]) -> int:
                     # limit, past which Dynamo would run this case's blocks eagerly, unnoticed.
                     torch._dynamo.reset()
                 before = compile_cache_counts()
-                result = run_case(name, refs[reference_args(name)], mesh_for(case_config(name)[0], meshes))
+                pcfg = case_config(name)[0]
+                mesh = mesh_for(pcfg, meshes)
+                result = run_case(name, refs[reference_args(name)], mesh)
                 if name in COMPILED:  # did it read its graphs from the caches or compile them?
                     result.update(compile_cache_use(before))
-                    tp_mesh = case_config(name)[0].tp > 1 and mesh_for(case_config(name)[0], meshes).sub("tp")
-                    result["keyed_per_process"] = bool(tp_mesh) and keyed_per_process(tp_mesh)
+                    result["keyed_per_process"] = pcfg.tp > 1 and keyed_per_process(mesh.sub("tp"))
             except Exception as e:
                 if dist.get_rank() == 0:
                     traceback.print_exc()
