@@ -35,6 +35,8 @@ CPU_PROFILE = DeviceProfile("cpu", peak_flops=1.2e11, memory_bytes=1.2e10, matmu
                             intra_latency=4e-4, inter_bw=1.4e9, inter_latency=4e-4, hbm_bw=2e9, dp_overlap=0.0,
                             block_overhead=2e-3, kind_bw={"all_gather": 0.36, "reduce_scatter": 0.15,
                                                           "all_to_all": 0.94, "broadcast": 2.1})
+# The time-limit job: 240 steps, each followed by a pause of 0.25 s.
+STEPS_TIMED, STEP_PAUSE = 240, 0.25
 _LAUNCH_PREFIXES = ("SLURM_", "OMPI_", "PMIX_", "PMI_", "TORCHELASTIC_")
 _LAUNCH_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
@@ -44,6 +46,12 @@ def env(slurm_conf) -> dict:
     """What jobs inherit: no launcher's variables (the tests may run inside a job), one thread."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCH_PREFIXES) and k not in _LAUNCH_NAMES}
     return {**clean, "SLURM_CONF": slurm_conf, "OMP_NUM_THREADS": "1"}
+
+
+def paced(env: dict) -> dict:
+    """`env` with a pause of STEP_PAUSE seconds after each optimizer step (tests/slurm/paced)."""
+    path = os.pathsep.join(filter(None, [str(Path(__file__).with_name("paced")), env.get("PYTHONPATH")]))
+    return {**env, "PYTHONPATH": path, "MOETRON_TEST_STEP_PAUSE": str(STEP_PAUSE)}
 
 
 @pytest.fixture(scope="module")
@@ -241,29 +249,19 @@ def test_preemption_by_the_urgent_partition(reference, env, workdir):
     assert_same_losses(job, reference.metrics())
 
 
-def seconds_per_step(overrides, env, workdir) -> float:
-    """This machine's fastest speed now, for one rank of `overrides`: the fastest of its 5-step
-    windows after the first, since the load varies several-fold and a job sized from the mean
-    speed (1,128 steps for 50 s) once finished in 35 s, before Slurm's look."""
-    moetron(["train", CONFIG, *overrides, "train.steps=40", "train.log_every=5", "train.eval_every=40",
-             "train.run_dir=calibration", "train.name=speed"], env, workdir)
-    records = [json.loads(line) for line in (workdir / "calibration" / "speed" / "metrics.jsonl").read_text().splitlines()]
-    tokens_per_step = records[-1]["tokens"] / records[-1]["step"]
-    return tokens_per_step / max(r["tokens_per_s"] for r in records[1:])
-
-
 def test_time_limit_checkpoints_requeues_and_resumes(reference, env, workdir):
     # Slurm looks at time limits every 30 s and sends the warning at the first look that is less
     # than `signal_seconds` + 30 s before the limit. Submitted with 10 minutes, the job is given 3
     # once its ranks train (so there is a checkpoint to resume from): with --signal-seconds 150 it
     # is warned at the very next look, 0–30 s later (rather than 30–60 s after the start of a job
     # submitted with 2 minutes and 60 s), and a slow machine still has minutes to checkpoint. The
-    # run must outlast that look, so its step count is sized from a measured speed. One rank (one
-    # CPU) lets the uninterrupted reference train on the other CPU at the same time.
+    # run must outlast that look: each of its steps is followed by a pause (tests/slurm/paced), so
+    # it lasts over STEPS_TIMED × STEP_PAUSE = 60 s on any machine while its ranks idle, and the
+    # uninterrupted reference trains the same steps without pauses, on one CPU, at the same time.
     reference.wait_until_gone()
-    steps = max(200, min(10000, int(50 / seconds_per_step(TINY, env, workdir))))
-    overrides = TINY + [f"train.steps={steps}", "train.log_every=25", f"train.eval_every={steps}"]
-    job = Job("timed", overrides, ["--time", "10", "--signal-seconds", "150", "--requeue-limit", "3"], env, workdir)
+    overrides = TINY + [f"train.steps={STEPS_TIMED}", "train.log_every=25", f"train.eval_every={STEPS_TIMED}"]
+    job = Job("timed", overrides, ["--time", "10", "--signal-seconds", "150", "--requeue-limit", "3"], paced(env),
+              workdir)
     local = subprocess.Popen([sys.executable, "-m", "moetron", "train", CONFIG, *overrides, "train.run_dir=local",
                               "train.name=timed"], env=env, cwd=workdir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True)
