@@ -5,13 +5,16 @@ otherwise spends ~20 s of CPU importing torch, DCP and moetron five times over.
     python tests/forked_ranks.py        # then, on stdin, one JSON line per launch:
     {"ranks": 4, "argv": ["train", "configs/tiny.yaml", ...], "cwd": "/path"}
     {"ranks": 4, "script": "tests/.../reshard_worker.py", "args": ["OUT", "layouts", ...]}
+    {"ranks": 1, "argv": ["train", ...], "torchrun": false, "env": {"XDG_CACHE_HOME": "/x"}, "stderr": true}
 
 For each line it forks `ranks` processes with the environment torchrun gives its workers (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), each running the `moetron`
 command `argv`, or the Python file `script` as `python script args...` would (its folder first on
 sys.path, `__name__` "__main__"). It waits for all and answers one JSON line: every rank's exit
 status and the last `tail` characters (default 3,000) of the output of rank 0 and of any rank
-that failed. As under torchrun, the first rank to fail brings the others down (a survivor would
+that failed (with `"stderr": true`, each rank's stderr comes apart, under "stderr"). `env` adds to
+the ranks' environment; `"torchrun": false` starts one process as `python -m moetron` would, without
+torchrun's variables. As under torchrun, the first rank to fail brings the others down (a survivor would
 wait in a collective for a rank that is gone), and so does `timeout` (seconds, optional). The
 driver itself runs no tensor operation, so the children start from a clean torch (no thread
 pools, no process group).
@@ -67,12 +70,15 @@ def run_request(request: dict) -> int:
     return main(request["argv"]) or 0
 
 
-def run_rank(rank: int, ranks: int, port: int, request: dict, log: Path) -> int:
+def run_rank(rank: int, ranks: int, port: int, request: dict, logs: Path) -> int:
     """In a forked child: become rank `rank` and run the request; → its exit status."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(logs / f"{rank}.log", flags)
     os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    torchrun_env(rank, ranks, port)
+    os.dup2(os.open(logs / f"{rank}.err", flags) if request.get("stderr") else fd, 2)
+    os.environ.update(request.get("env", {}))
+    if request.get("torchrun", True):
+        torchrun_env(rank, ranks, port)
     try:
         return run_request(request)
     except SystemExit as e:  # as the interpreter reads it: None is success, a message is 1
@@ -121,13 +127,14 @@ def torchrun_env(rank: int, ranks: int, port: int) -> None:
 
 def launch(request: dict) -> dict:
     ranks, cwd = request["ranks"], request.get("cwd", os.getcwd())
+    assert ranks == 1 or request.get("torchrun", True), "only one process starts without torchrun's variables"
     logs = Path(tempfile.mkdtemp(prefix="forked-ranks-"))
     port = free_port()
 
     def rank_body(rank: int) -> Callable[[], int]:
         def body() -> int:
             os.chdir(cwd)
-            return run_rank(rank, ranks, port, request, logs / f"{rank}.log")
+            return run_rank(rank, ranks, port, request, logs)
 
         return body
 
@@ -136,9 +143,11 @@ def launch(request: dict) -> dict:
     shown = [r for r, c in enumerate(codes) if c != 0] or [0]
     shown = sorted({0, *shown})
     tail = request.get("tail", 3000)
-    output = {r: (logs / f"{r}.log").read_text(errors="replace")[-tail:] for r in shown}
+    answer = {"codes": codes}
+    for key, suffix in [("output", "log"), *([("stderr", "err")] if request.get("stderr") else [])]:
+        answer[key] = {r: (logs / f"{r}.{suffix}").read_text(errors="replace")[-tail:] for r in shown}
     shutil.rmtree(logs, ignore_errors=True)
-    return {"codes": codes, "output": output}
+    return answer
 
 
 def main() -> int:

@@ -1,7 +1,11 @@
 """`moetron train --layout auto`: at a start on another number of ranks the planner's first layout is
 taken, the checkpoint resharded into it, the global batch kept — the losses continue as the
 uninterrupted one-process run's — and the run folder's layouts.jsonl records each start; a world
-on which nothing fits is refused in one line before a run folder exists."""
+on which nothing fits is refused in one line before a run folder exists.
+
+The runs that train are forked from one process that imported the training stack (the `train`
+fixture, tests/forked_ranks.py) with the environment torchrun, or `python -m moetron`, gives them;
+the refusal runs in an interpreter of its own, whose whole stderr is that one line."""
 
 import json
 import os
@@ -22,17 +26,26 @@ SMALL = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
 
 
 def profile(folder: Path, memory_bytes: float) -> dict:
-    """An XDG cache holding a cpu profile (the planner's numbers for this machine), as env vars."""
+    """An XDG cache holding a cpu profile (the planner's numbers for this machine), as the env vars
+    that point the runs at it."""
     save_profile(DeviceProfile("cpu", 1e10, memory_bytes, 0.8, 1e9, 1e-4, 1e9, 1e-4, hbm_bw=1e10, dp_overlap=0.0),
                  folder / "moetron" / "plan_profile.json")
-    return {**os.environ, "XDG_CACHE_HOME": str(folder), "OMP_NUM_THREADS": "1"}
+    return {"XDG_CACHE_HOME": str(folder), "OMP_NUM_THREADS": "1"}
 
 
-def moetron(ranks: int, *args: str, env: dict) -> subprocess.CompletedProcess:
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}"] \
-        if ranks > 1 else [sys.executable]
-    return subprocess.run([*launch, "-m", "moetron", "train", "configs/tiny.yaml", *args], capture_output=True,
-                          text=True, cwd=ROOT, env=env, timeout=600)
+@pytest.fixture
+def train(forked_ranks):
+    """train(ranks, *args, env) → `moetron train configs/tiny.yaml *args` on `ranks` ranks as a
+    CompletedProcess: its exit status (the first failed rank's), rank 0's stdout, and the stderr of
+    rank 0 and of every rank that failed."""
+
+    def run(ranks: int, *args: str, env: dict) -> subprocess.CompletedProcess:
+        answer = forked_ranks({"ranks": ranks, "argv": ["train", "configs/tiny.yaml", *args], "cwd": str(ROOT),
+                               "torchrun": ranks > 1, "env": env, "stderr": True, "tail": 1 << 20, "timeout": 600})
+        code = next((c for c in answer["codes"] if c), 0)
+        return subprocess.CompletedProcess(args, code, answer["output"]["0"], "".join(answer["stderr"].values()))
+
+    return run
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -40,14 +53,14 @@ def losses(run: Path) -> dict[int, float]:
 
 
 @pytest.mark.distributed
-def test_a_run_resumed_on_two_ranks_takes_the_planners_layout_and_continues_the_curve(tmp_path):
+def test_a_run_resumed_on_two_ranks_takes_the_planners_layout_and_continues_the_curve(train, tmp_path):
     env = profile(tmp_path / "cache", 8e9)
     base = [*SMALL, f"train.run_dir={tmp_path}"]
-    straight = moetron(1, *base, "train.name=straight", env=env)
+    straight = train(1, *base, "train.name=straight", env=env)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    first = moetron(1, *base, "train.name=split", "--exit-after", "3", env=env)
+    first = train(1, *base, "train.name=split", "--exit-after", "3", env=env)
     assert first.returncode == 0, first.stderr[-2000:]
-    grown = moetron(2, *base, "train.name=split", "--layout", "auto", env=env)
+    grown = train(2, *base, "train.name=split", "--layout", "auto", env=env)
     assert grown.returncode == 0, grown.stderr[-3000:]
     assert "--layout auto on 2 × cpu:" in grown.stderr and "predicted" in grown.stderr
 
@@ -68,17 +81,17 @@ def test_a_run_resumed_on_two_ranks_takes_the_planners_layout_and_continues_the_
 
 
 @pytest.mark.distributed
-def test_a_run_resumed_on_fewer_ranks_keeps_its_micro_batches_and_its_curve(tmp_path):
+def test_a_run_resumed_on_fewer_ranks_keeps_its_micro_batches_and_its_curve(train, tmp_path):
     """2 ranks, then one process: `--layout auto` accumulates 2 micro-batches of the 4 sequences each
     rank had, so every micro-batch's balance loss is the one it was (README, Losing nodes), and the
     curve is one process's with the same micro-batches up to the order of sums."""
     env = profile(tmp_path / "cache", 8e9)
     base = [*SMALL, f"train.run_dir={tmp_path}"]
-    straight = moetron(1, *base, "train.name=straight", "train.grad_accum=2", env=env)
+    straight = train(1, *base, "train.name=straight", "train.grad_accum=2", env=env)
     assert straight.returncode == 0, straight.stderr[-2000:]
-    first = moetron(2, *base, "train.name=split", "--exit-after", "3", env=env)
+    first = train(2, *base, "train.name=split", "--exit-after", "3", env=env)
     assert first.returncode == 0, first.stderr[-2000:]
-    shrunk = moetron(1, *base, "train.name=split", "--layout", "auto", env=env)
+    shrunk = train(1, *base, "train.name=split", "--layout", "auto", env=env)
     assert shrunk.returncode == 0, shrunk.stderr[-3000:]
     starts = [json.loads(line) for line in (tmp_path / "split" / "layouts.jsonl").read_text().splitlines()]
     assert [(s["world_size"], s["micro_batch"]) for s in starts] == [(2, 4), (1, 4)]
@@ -89,14 +102,14 @@ def test_a_run_resumed_on_fewer_ranks_keeps_its_micro_batches_and_its_curve(tmp_
         assert got[step] == pytest.approx(want[step], rel=1e-6), (step, got[step], want[step])
 
 
-def test_a_resume_no_layout_can_keep_the_micro_batch_of_plans_freely_and_says_so(tmp_path):
+def test_a_resume_no_layout_can_keep_the_micro_batch_of_plans_freely_and_says_so(train, tmp_path):
     """Halving the global batch at a resume leaves no layout with the previous 8-sequence micro-batch:
     the plan is free, one line says the curve shifts, and the run trains on."""
     env = profile(tmp_path / "cache", 8e9)
     base = [*SMALL, f"train.run_dir={tmp_path}", "train.name=halved"]
-    first = moetron(1, *base, "--exit-after", "3", env=env)
+    first = train(1, *base, "--exit-after", "3", env=env)
     assert first.returncode == 0, first.stderr[-2000:]
-    halved = moetron(1, *base, "train.batch_size=4", "--layout", "auto", env=env)
+    halved = train(1, *base, "train.batch_size=4", "--layout", "auto", env=env)
     assert halved.returncode == 0, halved.stderr[-3000:]
     assert "no layout on 1 ranks keeps the previous start's 8-sequence micro-batches" in halved.stderr
     starts = [json.loads(line) for line in (tmp_path / "halved" / "layouts.jsonl").read_text().splitlines()]
@@ -106,7 +119,9 @@ def test_a_resume_no_layout_can_keep_the_micro_batch_of_plans_freely_and_says_so
 
 def test_a_world_where_no_layout_fits_is_refused_before_anything_is_written(tmp_path):
     env = profile(tmp_path / "cache", 1e5)  # 100 kB per rank: no layout of the model fits
-    out = moetron(1, *SMALL, f"train.run_dir={tmp_path / 'runs'}", "train.name=none", "--layout", "auto", env=env)
+    out = subprocess.run([sys.executable, "-m", "moetron", "train", "configs/tiny.yaml", *SMALL,
+                          f"train.run_dir={tmp_path / 'runs'}", "train.name=none", "--layout", "auto"],
+                         capture_output=True, text=True, cwd=ROOT, env={**os.environ, **env}, timeout=600)
     assert out.returncode == 2, out.stderr[-2000:]
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "--layout auto: no layout of configs/tiny.yaml fits on 1 × cpu" in lines[0]
