@@ -1,4 +1,5 @@
-"""Poisons one rank of a real multi-rank run; started by test_nonfinite.py under torchrun.
+"""Poisons one rank of a real multi-rank run; test_nonfinite.py forks its 2 ranks as torchrun
+would start them (tests/forked_ranks.py), or by hand:
 
     torchrun --standalone --nproc-per-node 2 tests/launcher/train/nonfinite_worker.py RUN_DIR
 

@@ -9,9 +9,6 @@
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,12 +30,11 @@ def outcomes(root: Path, name: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, forked_ranks):
+    """The worker's three runs, on 2 ranks forked as torchrun would start them (tests/forked_ranks.py)."""
     root = tmp_path_factory.mktemp("nonfinite")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(WORKER), str(root)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    answer = forked_ranks({"ranks": 2, "script": str(WORKER), "args": [str(root)], "timeout": 600})
+    assert answer["codes"] == [0, 0], json.dumps(answer["output"], indent=1)[-3000:]
     return root
 
 
