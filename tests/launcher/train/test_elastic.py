@@ -61,14 +61,22 @@ def rendezvous():
     del store
 
 
-def reference(folder: Path, grad_accum: int) -> dict[int, float]:
-    """Per-step losses of the same config trained by one process, uninterrupted, in `grad_accum`
-    micro-batches: those of the elastic run's first world, which its later worlds keep."""
-    out = subprocess.run([sys.executable, "-m", "moetron", "train", "configs/tiny.yaml", *SMALL,
-                          f"train.grad_accum={grad_accum}", f"train.run_dir={folder}", "train.name=straight"], cwd=ROOT,
-                         capture_output=True, text=True, env=profile_env(folder / "cache", 8e9), timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return losses(folder / "straight")
+@pytest.fixture
+def reference(forked_ranks):
+    """reference(folder, grad_accum) → per-step losses of the same config trained by one process,
+    uninterrupted, in `grad_accum` micro-batches: those of the elastic run's first world, which its
+    later worlds keep. The process is forked as `python -m moetron train` would run (tests/forked_ranks.py)."""
+
+    def train(folder: Path, grad_accum: int) -> dict[int, float]:
+        env = profile_env(folder / "cache", 8e9)
+        answer = forked_ranks({"ranks": 1, "torchrun": False, "cwd": str(ROOT), "timeout": 300,
+                               "env": {k: env[k] for k in ("XDG_CACHE_HOME", "OMP_NUM_THREADS")},
+                               "argv": ["train", "configs/tiny.yaml", *SMALL, f"train.grad_accum={grad_accum}",
+                                        f"train.run_dir={folder}", "train.name=straight"]})
+        assert answer["codes"] == [0], answer["output"]["0"]
+        return losses(folder / "straight")
+
+    return train
 
 
 class Nodes:
@@ -135,7 +143,7 @@ def assert_same_curve(got: dict[int, float], want: dict[int, float]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(tmp_path, rendezvous):
+def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(tmp_path, rendezvous, reference):
     """4 ranks on 2 nodes; node b dies after step 2 (a checkpoint) → 2 ranks resume at step 2;
     after step 6 node b starts again → the next restart trains steps 7… on 4 ranks."""
     started = time.time()
@@ -162,7 +170,7 @@ def test_a_lost_node_shrinks_the_world_and_a_new_one_grows_it_back(tmp_path, ren
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_node_lost_while_saving_and_another_while_resharding(tmp_path, rendezvous):
+def test_a_node_lost_while_saving_and_another_while_resharding(tmp_path, rendezvous, reference):
     """3 nodes of one rank: node c dies inside the save of step 4 → the 2 ranks left resume from
     step 2, the newest complete checkpoint; node b dies while they load it → node a alone resumes
     from step 2 again and trains to the end."""
