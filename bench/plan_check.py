@@ -155,6 +155,19 @@ def predicted(name: str, expert_imbalance: float = 1.0) -> dict:
     return {"step_s": p.step_s, "comm_bytes": total, "memory": p.memory["total"], "times": p.times}
 
 
+def compare(runs: list[dict]) -> list[dict]:
+    """One row per measured run (the workers' JSON lines): measured beside predicted step time,
+    communication bytes and memory. Memory is predicted for the routing the probed step measured
+    (the planner's --expert-imbalance); balanced routing is the planner's default."""
+    rows = []
+    for run in runs:
+        pred = predicted(run["layout"], run["expert_imbalance"])
+        rows.append({"layout": run["layout"], "measured": {k: run[k] for k in ("step_s", "comm_bytes", "memory")},
+                     "predicted": {k: pred[k] for k in ("step_s", "comm_bytes", "memory")},
+                     "predicted_times": pred["times"], "expert_imbalance": run["expert_imbalance"]})
+    return rows
+
+
 def kendall_tau(a: list[float], b: list[float]) -> float:
     """Kendall's tau-a between two orderings of the same items (NaN for fewer than two)."""
     n, score = len(a), 0
@@ -188,14 +201,7 @@ def main() -> None:
     runs = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or len(runs) != len(args.layouts):
         sys.exit(f"the measuring launch failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    rows = []
-    for run in runs:
-        # Memory is predicted for the routing the probed step measured (the planner's
-        # --expert-imbalance); balanced routing is the planner's default.
-        pred = predicted(run["layout"], run["expert_imbalance"])
-        rows.append({"layout": run["layout"], "measured": {k: run[k] for k in ("step_s", "comm_bytes", "memory")},
-                     "predicted": {k: pred[k] for k in ("step_s", "comm_bytes", "memory")},
-                     "predicted_times": pred["times"], "expert_imbalance": run["expert_imbalance"]})
+    rows = compare(runs)
     tau = kendall_tau([r["predicted"]["step_s"] for r in rows], [r["measured"]["step_s"] for r in rows])
     print(f"tiny config, {BASE}; {RANKS} gloo ranks; cpu profile: {profile.peak_flops / 1e9:.1f} GFLOP/s per rank, "
           f"bus {profile.intra_bw / 1e9:.2f} GB/s, latency {profile.intra_latency * 1e3:.2f} ms, "
