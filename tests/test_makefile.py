@@ -85,8 +85,8 @@ def test_readme_names_what_make_test_installs_and_starts_and_make_stop_stops_it(
 @pytest.fixture
 def own_slurm(tmp_path, slurm_ports):
     """(environment naming a Slurm folder and ports nobody else uses, a fake python for `make test`
-    whose `-m pytest` starts that Slurm as the Slurm tests would, then creates the file `testing`
-    beside itself, sleeps $FAKE_SLEEP s and exits with $FAKE_EXIT)."""
+    whose `-m pytest` starts that Slurm as the Slurm tests would, then sleeps $FAKE_SLEEP s and
+    exits with $FAKE_EXIT)."""
     if shutil.which("slurmctld") is None or shutil.which("make") is None:
         pytest.skip("Slurm is not installed (slurm/install.sh installs it)")
     if os.geteuid() != 0:
@@ -95,12 +95,16 @@ def own_slurm(tmp_path, slurm_ports):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env.update(MOETRON_SLURM_HOME=home, MOETRON_SLURM_PORT=str(slurm_ports), FAKE_SLEEP="0", FAKE_EXIT="0")
     fake = tmp_path / "python"
-    fake.write_text(f'#!/bin/sh\nbash {SLURM / "start.sh"} >/dev/null || exit 99\n: >"{tmp_path / "testing"}"\n'
-                    'sleep "$FAKE_SLEEP"\nexit "$FAKE_EXIT"\n')
+    fake.write_text(f'#!/bin/sh\nbash {SLURM / "start.sh"} >/dev/null || exit 99\nsleep "$FAKE_SLEEP"\nexit "$FAKE_EXIT"\n')
     fake.chmod(0o755)
     yield env, fake
     subprocess.run(["bash", SLURM / "stop.sh"], check=False, env=env, capture_output=True, timeout=120)
     shutil.rmtree(home, ignore_errors=True)
+
+
+def _terminal_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(signum, signal.SIG_DFL)
 
 
 def running(env) -> dict[str, int]:
@@ -134,13 +138,13 @@ def test_make_test_stops_the_slurm_its_tests_started_and_keeps_pytests_status(ow
 @pytest.mark.slurm
 def test_make_test_stops_it_after_ctrl_c_too(own_slurm):
     env, fake = own_slurm
+    # As from a terminal: Ctrl-C's signals at their defaults. A suite started in the background by
+    # a non-interactive shell (`pytest ... &`) ignores SIGINT and SIGQUIT, and every child would too.
     proc = subprocess.Popen(["make", "-o", "setup-test", "test", f"PYTHON={fake}"], cwd=ROOT,
                             env={**env, "FAKE_SLEEP": "120"}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # Ctrl-C while the tests run: once slurm/start.sh has returned (its daemons are up before it
-    # has seen the node idle), as the fake's `testing` file says.
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_terminal_signals)
     deadline = time.monotonic() + 120
-    while not (fake.parent / "testing").exists() or len(running(env)) < 6:
+    while len(running(env)) < 6:
         assert proc.poll() is None and time.monotonic() < deadline, "the fake pytest did not start Slurm"
         time.sleep(0.5)
     pids = running(env)
