@@ -10,6 +10,7 @@ package, so that a broken install cannot turn the references off while the run s
 """
 
 import fcntl
+import gc
 import json
 import os
 import re
@@ -90,6 +91,15 @@ def pytest_make_collect_report(collector):
     if report.skipped and isinstance(report.longrepr, tuple):
         _fail_instead(report, str(report.longrepr[2]))
     return report
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-forked forks the test's process
+def pytest_runtest_protocol(item, nextitem):
+    """Collect the worker's garbage before a forked test forks: an earlier test's gloo process
+    group, unreachable but not yet collected, must be destroyed here, where its threads run. In the
+    child, where they do not, its destructor waits for them forever (a hang seen once)."""
+    if item.get_closest_marker("forked") is not None:
+        gc.collect()
 
 
 @pytest.fixture(autouse=True)
