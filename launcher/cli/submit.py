@@ -86,13 +86,13 @@ def run(args) -> int:
 def config_and_allocation(args):
     """(the job's Config, its Slurm section with the flags applied); under --layout auto the
     config carries the layout `moetron plan` ranks first for the allocation."""
+    from moetron.launcher.cluster.submit import SlurmError, apply_flags
     from moetron.launcher.config import load_config
 
     min_nodes, nodes = args.nodes or (None, None)
     # One rank per GPU: parallel.dp, where the config leaves it out, fills the allocation.
     flag_ranks = nodes * args.gpus_per_node if nodes and args.gpus_per_node else None
     cfg = load_config(args.config, args.overrides, world_size=flag_ranks)
-    from moetron.launcher.cluster.submit import SlurmError, apply_flags
 
     if min_nodes is not None and min_nodes < nodes and args.layout != "auto":
         raise SlurmError(f"--nodes {min_nodes}-{nodes}: a job that may start on fewer nodes plans its layout at every "
