@@ -196,6 +196,24 @@ def forked_script(forked_ranks):
     return run
 
 
+@pytest.fixture(scope="session")
+def forked_moetron(forked_ranks):
+    """run(ranks, argv, env=None, timeout=600) → `moetron *argv` as a CompletedProcess, on `ranks`
+    ranks forked as torchrun starts them (one rank: as `python -m moetron` runs, without torchrun's
+    variables; forked_ranks), run from the repository's root with `env` added to the environment:
+    the first failed rank's exit status, rank 0's stdout, and the stderr of rank 0 and of every rank
+    that failed."""
+    root = Path(__file__).resolve().parents[1]
+
+    def run(ranks: int, argv: list[str], env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+        answer = forked_ranks({"ranks": ranks, "argv": argv, "cwd": str(root), "torchrun": ranks > 1, "env": env or {},
+                               "stderr": True, "tail": 1 << 20, "timeout": timeout})
+        code = next((c for c in answer["codes"] if c), 0)
+        return subprocess.CompletedProcess(argv, code, answer["output"]["0"], "".join(answer["stderr"].values()))
+
+    return run
+
+
 @pytest.fixture
 def tmp_run_dir(tmp_path):
     """A fresh folder for run outputs (metrics, checkpoints, TensorBoard)."""

@@ -44,10 +44,10 @@ RDZV_CONF = "join_timeout=120,last_call_timeout=3,keep_alive_interval=1,keep_ali
 
 
 def profile_env(folder: Path, memory_bytes: float) -> dict:
-    """The environment of every process: a cpu profile with `memory_bytes` per rank, one thread."""
+    """What every process adds to its environment: a cpu profile with `memory_bytes` per rank, one thread."""
     save_profile(DeviceProfile("cpu", 1e10, memory_bytes, 0.8, 1e9, 1e-4, 1e9, 1e-4, hbm_bw=1e10, dp_overlap=0.0),
                  folder / "moetron" / "plan_profile.json")
-    return {**os.environ, "XDG_CACHE_HOME": str(folder), "OMP_NUM_THREADS": "1"}
+    return {"XDG_CACHE_HOME": str(folder), "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -62,18 +62,16 @@ def rendezvous():
 
 
 @pytest.fixture
-def reference(forked_ranks):
+def reference(forked_moetron):
     """reference(folder, grad_accum) → per-step losses of the same config trained by one process,
     uninterrupted, in `grad_accum` micro-batches: those of the elastic run's first world, which its
-    later worlds keep. The process is forked as `python -m moetron train` would run (tests/forked_ranks.py)."""
+    later worlds keep (the process forked as `python -m moetron train` would run: forked_moetron)."""
 
     def train(folder: Path, grad_accum: int) -> dict[int, float]:
-        env = profile_env(folder / "cache", 8e9)
-        answer = forked_ranks({"ranks": 1, "torchrun": False, "cwd": str(ROOT), "timeout": 300,
-                               "env": {k: env[k] for k in ("XDG_CACHE_HOME", "OMP_NUM_THREADS")},
-                               "argv": ["train", "configs/tiny.yaml", *SMALL, f"train.grad_accum={grad_accum}",
-                                        f"train.run_dir={folder}", "train.name=straight"]})
-        assert answer["codes"] == [0], answer["output"]["0"]
+        out = forked_moetron(1, ["train", "configs/tiny.yaml", *SMALL, f"train.grad_accum={grad_accum}",
+                                 f"train.run_dir={folder}", "train.name=straight"],
+                             profile_env(folder / "cache", 8e9), timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
         return losses(folder / "straight")
 
     return train
@@ -87,7 +85,7 @@ class Nodes:
         self.folder, self.port, self.nodes, self.per_node = folder, port, nodes, per_node
         self.marks = folder / "marks"
         self.marks.mkdir(parents=True, exist_ok=True)
-        self.env = {**env, "ELASTIC_PAUSES": pauses, "ELASTIC_MARKS": str(self.marks)}
+        self.env = {**os.environ, **env, "ELASTIC_PAUSES": pauses, "ELASTIC_MARKS": str(self.marks)}
         if own_stores:  # every world its own store: torchrun's shared one breaks restarts (cluster/elastic.py)
             self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         self.agents: dict[str, subprocess.Popen] = {}
@@ -192,13 +190,13 @@ def test_a_node_lost_while_saving_and_another_while_resharding(tmp_path, rendezv
 
 
 @pytest.mark.distributed
-def test_a_world_too_small_for_any_layout_stops_every_agent_and_leaves_the_checkpoint(tmp_path, rendezvous):
+def test_a_world_too_small_for_any_layout_stops_every_agent_and_leaves_the_checkpoint(tmp_path, rendezvous,
+                                                                                     forked_moetron):
     """A run with a checkpoint, started again by two torchrun agents (restarts left) on ranks where
     no layout fits: one line, and both agents stop instead of restarting into the same refusal."""
     env = profile_env(tmp_path / "cache", 8e9)
-    first = subprocess.run([sys.executable, "-m", "moetron", "train", "configs/tiny.yaml", *SMALL,
-                            f"train.run_dir={tmp_path}", "train.name=run", "--exit-after", "2"],
-                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    first = forked_moetron(1, ["train", "configs/tiny.yaml", *SMALL, f"train.run_dir={tmp_path}", "train.name=run",
+                               "--exit-after", "2"], env, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]
     before = tree_digest(tmp_path / "run")
 

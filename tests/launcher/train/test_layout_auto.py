@@ -34,18 +34,10 @@ def profile(folder: Path, memory_bytes: float) -> dict:
 
 
 @pytest.fixture
-def train(forked_ranks):
-    """train(ranks, *args, env) → `moetron train configs/tiny.yaml *args` on `ranks` ranks as a
-    CompletedProcess: its exit status (the first failed rank's), rank 0's stdout, and the stderr of
-    rank 0 and of every rank that failed."""
-
-    def run(ranks: int, *args: str, env: dict) -> subprocess.CompletedProcess:
-        answer = forked_ranks({"ranks": ranks, "argv": ["train", "configs/tiny.yaml", *args], "cwd": str(ROOT),
-                               "torchrun": ranks > 1, "env": env, "stderr": True, "tail": 1 << 20, "timeout": 600})
-        code = next((c for c in answer["codes"] if c), 0)
-        return subprocess.CompletedProcess(args, code, answer["output"]["0"], "".join(answer["stderr"].values()))
-
-    return run
+def train(forked_moetron):
+    """train(ranks, *args, env) → `moetron train configs/tiny.yaml *args` on `ranks` forked ranks, as
+    a CompletedProcess (the forked_moetron fixture)."""
+    return lambda ranks, *args, env: forked_moetron(ranks, ["train", "configs/tiny.yaml", *args], env)
 
 
 def losses(run: Path) -> dict[int, float]:
