@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from moetron.model.moe import MoELayer
 from moetron.model.transformer import Decoder
 from moetron.parallel.config import ParallelConfig
+from moetron.parallel.expert_parallel import rows_stay_dynamic
 from moetron.parallel.mesh import ParallelMesh
 
 
@@ -55,6 +56,7 @@ def apply_data_parallel(model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig)
     for block in model.blocks():  # the MTP modules' blocks too: their experts reduce over edp
         if isinstance(block.ffn, MoELayer) and cfg.ep > 1:
             experts = wrap(block.ffn.experts, edp_mesh)
+            rows_stay_dynamic(experts)
             experts.set_gradient_divide_factor(float(cfg.dp * cfg.cp))
             shard_ranks = edp_mesh.size(edp_mesh.ndim - 1)  # HSDP: the last dim shards
             if cfg.dp_mode in ("fsdp", "hsdp") and shard_ranks > 1 and _on_gloo(edp_mesh):

@@ -63,9 +63,10 @@ class AllToAllDispatcher:
         self.local = LocalDispatcher()
         # The row exchanges run eagerly, also inside a compiled block: their split sizes are data,
         # and compiled they would be guarded on, so their frames would compile three times (static
-        # sizes, then dynamic ones, then again for a rank that receives no rows). Outside, the graph
-        # right after the exchange sees R as dynamic from its first compile. (Unbound, so that a
-        # copy of the dispatcher does not call into this one.)
+        # sizes, then dynamic ones, then again for a rank that receives no rows). Outside, the rows
+        # are marked unbacked-dynamic, and the graph right after the exchange sees R as a size
+        # with no value from its first compile (rows_stay_dynamic does the same across the experts'
+        # data-parallel hooks). (Unbound, so that a copy of the dispatcher does not call into this one.)
         self._send_eagerly = torch.compiler.disable(AllToAllDispatcher._send_rows)
         self._return_eagerly = torch.compiler.disable(AllToAllDispatcher._return_rows)
 
@@ -91,7 +92,7 @@ class AllToAllDispatcher:
         regroup_R = _source_major_to_expert_major(recv_counts_PEl)
         offsets_El = torch.cumsum(recv_counts_PEl.sum(0), 0).to(torch.int32)
         x_RD = x_RD[regroup_R]
-        torch._dynamo.maybe_mark_dynamic(x_RD, 0)
+        torch._dynamo.decorators.mark_unbacked(x_RD, 0)
         return x_RD, offsets_El, regroup_R, send_splits, recv_splits
 
     def spread(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,6 +148,26 @@ def shard_experts(moe: MoELayer, ep: int, ep_rank: int) -> None:
         rows = w.shape[0] // ep
         local = w.detach()[ep_rank * rows : (ep_rank + 1) * rows].clone()
         setattr(experts, name, nn.Parameter(local, requires_grad=w.requires_grad))
+
+
+def rows_stay_dynamic(experts: nn.Module) -> None:
+    """Keep R, the rows an ep rank receives, a dynamic size in the compiled frames around
+    `experts`, a data-parallel unit of its own (data_parallel.py): its FSDP2 hooks run eagerly, so
+    a compiled block breaks there, and its forward and the rest of the MoE layer compile as frames
+    of their own. Their input rows are new tensors (the pre-forward hook rewraps them) or a compiled
+    graph's output, which carry no mark: each such frame would compile for the first R it sees,
+    again for a dynamic R, and again for a rank that receives 0 or 1 rows. Marked here, after the
+    hooks, each compiles once. Outside torch.compile the marks are unread."""
+    experts.register_forward_pre_hook(torch.compiler.disable(_mark_rows_in))
+    experts.register_forward_hook(torch.compiler.disable(_mark_rows_out))
+
+
+def _mark_rows_in(module: nn.Module, args: tuple) -> None:
+    torch._dynamo.decorators.mark_unbacked(args[0], 0)  # x_RD
+
+
+def _mark_rows_out(module: nn.Module, args: tuple, y_RD: torch.Tensor) -> None:
+    torch._dynamo.decorators.mark_unbacked(y_RD, 0)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
