@@ -7,6 +7,8 @@
 # and one for maintainers, not run by CI:
 #   make test-latest   the same with the newest versions pyproject.toml admits (torch stays pinned)
 #   make constraints   write constraints.txt from what is installed (after test-latest passed)
+#   make gpu-wheels    download into bench/wheels/ what bench/gpu_check.sh installs on a GPU machine without
+#                      a package registry (torchao, for train.precision fp8)
 #
 # Every Python package goes into the project's own virtual environment, .venv/, never into the system's
 # interpreter; everything the tests start (torchrun, mpirun, srun, Slurm batch jobs) runs .venv/bin/python.
@@ -23,7 +25,7 @@ UPGRADE ?=
 # fills both cores (tests/slurm/conftest.py). More workers than cores only slows the multi-rank tests.
 TEST_WORKERS ?= 2
 
-.PHONY: setup setup-test train test stop test-latest constraints
+.PHONY: setup setup-test train test stop test-latest constraints gpu-wheels
 
 # bin/pip appears only once venv's ensurepip succeeded, so a half-made .venv/ is completed next time.
 $(VENV)/bin/pip:
@@ -55,3 +57,6 @@ test-latest:
 
 constraints:
 	$(PYTHON) .ci/freeze.py > constraints.txt
+
+gpu-wheels: $(VENV)/bin/pip
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --dest bench/wheels $$(grep '^torchao==' constraints.txt)

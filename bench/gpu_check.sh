@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One call on a GPU machine that has only this working tree: check the Triton kernels, time and
 # tune them against cuBLAS / torch._grouped_mm / SDPA-flash, and train a Mixtral-layout model
-# (configs/mixtral-h200.yaml) with the kernels on and off, reporting tokens/s, MFU and memory.
+# (configs/mixtral-h200.yaml) with the kernels on and off and in FP8, reporting tokens/s, MFU and memory.
 #
 #   OUT=results bash bench/gpu_check.sh                 # every section, ~6-8 minutes on an H200
 #   OUT=results bash bench/gpu_check.sh kernels train   # some sections
 #   OUT=results bash bench/gpu_check.sh --dry-run       # CPU, toy sizes: tests the plumbing
 #
-# Sections: env tests kernels train (train_eager train_torch train_compiled) — each under its
+# Sections: env tests kernels train (train_eager train_torch train_compiled train_fp8) — each under its
 # own time limit, so one that hangs costs its limit, not the call. After every section
 # $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/logs.txt are rewritten with what is known,
 # so a call cut short still returns the finished sections.
@@ -20,13 +20,13 @@ SECTIONS=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        env|tests|kernels|train_eager|train_torch|train_compiled) SECTIONS+=("$arg") ;;
-        train) SECTIONS+=(train_eager train_torch train_compiled) ;;
+        env|tests|kernels|train_eager|train_torch|train_compiled|train_fp8) SECTIONS+=("$arg") ;;
+        train) SECTIONS+=(train_eager train_torch train_compiled train_fp8) ;;
         *) echo "gpu_check.sh: unknown argument '$arg'; expected --dry-run or sections among:" \
-                "env tests kernels train train_eager train_torch train_compiled" >&2; exit 2 ;;
+                "env tests kernels train train_eager train_torch train_compiled train_fp8" >&2; exit 2 ;;
     esac
 done
-[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env kernels train_eager train_torch tests train_compiled)
+[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env kernels train_eager train_fp8 train_torch tests train_compiled)
 [[ " ${SECTIONS[*]} " == *" env "* ]] || SECTIONS=(env "${SECTIONS[@]}")
 
 OUT=${OUT:-$ROOT/gpu_check_out}
@@ -37,6 +37,12 @@ mkdir -p "$WORK/pkg" && ln -s "$ROOT" "$WORK/pkg/moetron"
 export PYTHONPATH="$WORK/pkg${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
+# Packages the GPU machine cannot download (it has no registry): `make gpu-wheels` puts their wheels
+# in bench/wheels/ (ignored by git, carried with the working tree); installed under $WORK for this call.
+if compgen -G "bench/wheels/*.whl" >/dev/null; then
+    "$PY" -m pip install --quiet --no-index --no-deps --target "$WORK/site" bench/wheels/*.whl &&
+        export PYTHONPATH="$WORK/site:$PYTHONPATH"
+fi
 if [[ $DRY == 1 ]]; then
     export TRITON_INTERPRET=1
     CONFIG=(configs/tiny.yaml train.batch_size=2 train.seq_len=64 train.precision=fp32)
@@ -78,6 +84,8 @@ for section in "${SECTIONS[@]}"; do
                          "${STEPS[@]}" --json "$WORK/train_eager.json" ;;
         train_torch) run_section train_torch 100 "$PY" bench/mfu.py "${CONFIG[@]}" train.compile=false \
                          model.attention=sdpa kernel.backend=torch "${STEPS[@]}" --json "$WORK/train_torch.json" ;;
+        train_fp8) run_section train_fp8 100 "$PY" bench/mfu.py "${CONFIG[@]}" train.compile=false \
+                       train.precision=fp8 "${STEPS[@]}" --json "$WORK/train_fp8.json" ;;
         train_compiled) run_section train_compiled 200 "$PY" bench/mfu.py "${CONFIG[@]}" train.compile=true \
                             "${STEPS[@]}" --json "$WORK/train_compiled.json" ;;
     esac

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
-from moetron.launcher.config import load_config
+from moetron.launcher.config import ConfigError, load_config
 from moetron.launcher.perf.flop_counter import ComponentFlopCounter, single_process_step
 from moetron.launcher.perf.flops import flops_per_token, flops_per_token_6n
 from moetron.launcher.perf.mfu import PEAK_DTYPES, device_peak, memory_gib, sweep_matmul_peak
-from moetron.launcher.train.device import resolve_device, use_bf16
+from moetron.launcher.train.device import check_fp8, resolve_device, use_bf16
 from moetron.launcher.train.optim import build_optimizer
 from moetron.model.transformer import build_model
+from moetron.parallel.float8 import apply_float8
 from moetron.parallel.parallelize import apply_compile
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -76,7 +77,10 @@ def run(args) -> dict:
     bf16 = use_bf16(cfg, device)
     t = cfg.train
     torch.manual_seed(t.seed)
+    check_fp8(cfg, device)
     model = build_model(cfg.model, device=device)
+    if t.precision == "fp8":
+        apply_float8(model)
     model.set_kernel_backend(cfg.kernel.backend)
     optimizer = build_optimizer(model, t)
 
@@ -110,7 +114,7 @@ def run(args) -> dict:
     analytic, counted = flops_per_token(cfg.model, t.seq_len), counter.total / (t.batch_size * t.seq_len)
     return {
         "bench": "mfu", "config": str(args.config), "overrides": args.overrides, "device": str(device),
-        "precision": "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
+        "precision": "fp8" if t.precision == "fp8" else "bf16" if bf16 else "fp32", "threads": torch.get_num_threads(),
         "kernel_backend": cfg.kernel.backend, "compile": t.compile, "compile_s": compile_s,
         "params": sum(p.numel() for p in model.parameters()), "memory_gib_peak": memory,
         "batch": t.batch_size, "seq_len": t.seq_len, "steps": args.steps,
@@ -166,7 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="intra-op threads; 0 keeps torch's default")
     parser.add_argument("--json", type=Path, help="also write the JSON result here")
     args = parser.parse_args(argv)
-    result = run(args)
+    try:
+        result = run(args)
+    except ConfigError as e:  # a config this machine cannot run (train.precision fp8 on a CPU): one line
+        raise SystemExit(f"mfu.py: {e}") from None
     print_table(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

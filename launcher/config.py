@@ -83,7 +83,9 @@ class TrainConfig:
     # A step with a non-finite loss or grad norm is skipped; this many in a row stop the run.
     max_skipped_steps: int = 5
     # "auto": bf16 autocast on CUDA and on CPUs with native bf16 matmuls (AMX/AVX512-BF16), else fp32.
-    precision: Literal["auto", "fp32", "bf16"] = "auto"
+    # "fp8": bf16 autocast with the dense linears' and the experts' GEMMs in FP8 (torchao, rowwise
+    # scales; parallel/float8.py), on GPUs of compute capability 8.9 or newer.
+    precision: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     log_every: int = 10
@@ -457,8 +459,17 @@ def validate(cfg: Config) -> None:
     for section in ("model", "parallel", "train", "data", "kernel", "slurm"):
         for key, value, rule in getattr(cfg, section).problems():
             raise ConfigError(f"{section}.{key} = {value!r}: {rule}")
-    for key, value, rule in _cross_section_problems(cfg) + _mtp_problems(cfg):
+    for key, value, rule in _cross_section_problems(cfg) + _mtp_problems(cfg) + _fp8_problems(cfg):
         raise ConfigError(f"{key} = {value!r}: {rule}")
+
+
+def _fp8_problems(cfg: Config) -> list[Problem]:
+    """FP8 linears are torchao's Float8Linear, which tensor parallelism would need its own styles for."""
+    if cfg.train.precision == "fp8" and cfg.parallel.tp > 1:
+        rule = ("must be 1 with train.precision=fp8 (FP8 linears are not split over tp ranks yet); use bf16 "
+                "with tp, or fp8 with dp, ep and pp")
+        return [("parallel.tp", cfg.parallel.tp, rule)]
+    return []
 
 
 def _mtp_problems(cfg: Config) -> list[Problem]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moetron.kernels.fp8 import fp8_grouped_mm
 from moetron.kernels.grouped_mm import group_row_multiple, grouped_mm
 from moetron.model.layers import activate
 
@@ -30,6 +31,8 @@ class GroupedExperts(nn.Module):
         self.kernel_backend: str | None = None
         # Rows the dispatcher pads each expert's group to; None: what the multiply prefers.
         self.row_multiple: int | None = None
+        # FP8 grouped GEMMs (train.precision fp8, set by parallel/float8.py; kernels/fp8.py).
+        self.fp8 = False
         self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
@@ -44,7 +47,9 @@ class GroupedExperts(nn.Module):
             # Grouped GEMM has no autocast rule; cast here so it runs in the autocast dtype too.
             dtype = torch.get_autocast_dtype(x_AD.device.type)
             x_AD, weights, biases = x_AD.to(dtype), [w.to(dtype) for w in weights], [b.to(dtype) for b in biases]
-        if self.impl == "grouped":
+        if self.fp8:
+            mm = fp8_grouped_mm
+        elif self.impl == "grouped":
             def mm(x, w, offsets):
                 return grouped_mm(x, w, offsets, backend=self.kernel_backend)
         else:

@@ -2,7 +2,7 @@
 
 Order (fixed; each step sees the previous one's result, as in torchtitan):
   pipeline split → context parallel → tensor (+ sequence) parallel → expert parallel → expert-tensor parallel
-  → activation checkpointing
+  → FP8 linears and experts (train.precision fp8) → activation checkpointing
   → compile → data parallel (FSDP2 / replicate) → materialize and initialize.
 The model is a meta-device shell until the last step, so it never exists whole on one rank; the
 initial weights equal the single-process ones for the same seed (see materialize.py).
@@ -38,6 +38,7 @@ from moetron.parallel.data_parallel import apply_data_parallel, clip_grad_norm_,
 from moetron.parallel.expert_parallel import apply_expert_parallel
 from moetron.parallel.expert_shards import ExpertShards
 from moetron.parallel.expert_tensor_parallel import apply_expert_tensor_parallel
+from moetron.parallel.float8 import apply_float8
 from moetron.parallel.global_balance import apply_global_batch_balance, start_global_batch
 from moetron.parallel.materialize import materialize_and_init
 from moetron.parallel.mesh import ParallelMesh
@@ -288,7 +289,7 @@ def _stages(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, record
 
 def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *, seed: int, device: torch.device,
                 cross_entropy: CrossEntropy, activation_checkpoint: str = "none", compile: bool = False,
-                microbatch_BS: tuple[int, int] | None = None, packing: Packing | None = None,
+                float8: bool = False, microbatch_BS: tuple[int, int] | None = None, packing: Packing | None = None,
                 targets_given: bool = False) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
@@ -296,6 +297,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
     under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
     microbatch_BS: sequences and tokens of one pipeline micro-batch on this dp rank (pp > 1 only):
     train.batch_size / (dp × grad_accum × microbatches) and train.seq_len.
+    float8: FP8 GEMMs for the dense linears and the experts (float8.py; tp must be 1).
     packing: keep packed documents apart (model/packing.py). targets_given: batches are (B, 2, S)
     inputs and targets (a masked-LM objective) rather than next-token windows (B, S + 1).
     """
@@ -315,6 +317,8 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         apply_tensor_parallel(part, mesh, cfg)
         expert_sharded |= apply_expert_parallel(part, mesh)
         expert_tp_split |= apply_expert_tensor_parallel(part, mesh, cfg)
+        if float8:
+            apply_float8(part)
         apply_activation_checkpointing(part, activation_checkpoint)
         if compile:
             apply_compile(part, tensor_parallel=cfg.tp > 1)

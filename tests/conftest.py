@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-# Top-level packages of the [oracles] extra (pyproject.toml), and of the [data] extra the dev extra
-# pulls in (`moetron data prepare`'s parquet and `datasets` readers): `make setup-test` installs all.
-ORACLES = ("deepspeed", "megatron", "transformers", "pyarrow", "datasets")
+# Top-level packages of the [oracles] extra (pyproject.toml), and of the [data] and [fp8] extras the dev
+# extra pulls in (`moetron data prepare`'s parquet and `datasets` readers): `make setup-test` installs all.
+ORACLES = ("deepspeed", "megatron", "transformers", "pyarrow", "datasets", "torchao")
 # pytest.importorskip's own reasons: "could not import 'a.b': …" and "module 'a.b' has __version__ …".
 _IMPORTORSKIP = re.compile(r"(?:could not import|module) '([\w.]+)'")
 

@@ -21,7 +21,17 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def use_bf16(cfg: Config, device: torch.device) -> bool:
-    """bf16 autocast on CUDA, and on CPUs whose oneDNN has native bf16 matmuls (AVX512-BF16, AMX)."""
+    """bf16 autocast on CUDA, and on CPUs whose oneDNN has native bf16 matmuls (AVX512-BF16, AMX);
+    under fp8 too, for what does not run in FP8."""
     if cfg.train.precision != "auto":
-        return cfg.train.precision == "bf16"
+        return cfg.train.precision in ("bf16", "fp8")
     return device.type == "cuda" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def check_fp8(cfg: Config, device: torch.device) -> None:
+    """Raise ConfigError (one line) where train.precision fp8 cannot run on `device`."""
+    from moetron.kernels.fp8 import fp8_problem
+
+    problem = fp8_problem(device) if cfg.train.precision == "fp8" else None
+    if problem:
+        raise ConfigError(f"train.precision = 'fp8': {problem}; use bf16 here")

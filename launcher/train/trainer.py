@@ -35,7 +35,7 @@ from moetron.launcher.run_dir import RunDir, RunError, open_run_dir, write_run_d
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
 from moetron.launcher.train.layout_log import change_line, record_start
-from moetron.launcher.train.device import resolve_device, use_bf16
+from moetron.launcher.train.device import check_fp8, resolve_device, use_bf16
 from moetron.launcher.train.metrics import MetricsLogger
 from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
 from moetron.launcher.train.optim import lr_at, optimizer_for, set_lr
@@ -214,7 +214,7 @@ def build_parallel_model(cfg: Config, device: torch.device, packing: Packing | N
     p, t = cfg.parallel, cfg.train
     microbatch_BS = (sequences_per_micro_batch(cfg), t.seq_len)  # read by a pipeline only
     return parallelize(build_model(cfg.model, device="meta"), mesh, p, seed=t.seed, device=device,
-                       cross_entropy=next_token_cross_entropy, compile=t.compile,
+                       cross_entropy=next_token_cross_entropy, compile=t.compile, float8=t.precision == "fp8",
                        activation_checkpoint=t.activation_checkpoint, microbatch_BS=microbatch_BS,
                        packing=packing, targets_given=t.objective == "mlm")
 
@@ -269,6 +269,7 @@ def train(cfg: Config, *, resume: str = "auto", exit_after: int | None = None, c
 def _train(cfg: Config, resume: str, exit_after: int | None, console, info: RankInfo, device: torch.device,
            layout_choice: dict | None = None) -> Path:
     t = cfg.train
+    check_fp8(cfg, device)
     # One decision for all ranks, and nothing written until data and checkpoint are found usable.
     run = _on_rank0(lambda: _open_run(cfg, resume))
     if info.world_size > 1:

@@ -49,7 +49,7 @@ def test_round_trip_through_plain_data():
     (["train.grad_accum=3"], "train.grad_accum = 3: must divide batch_size (16)"),
     (["parallel.tp=3"], "parallel.tp = 3: must divide model.n_heads (8)"),
     (["parallel.ep=3", "parallel.dp=3", "train.batch_size=24"], "parallel.ep = 3: must divide model.moe.num_experts (8)"),
-    (["train.precision=fp8"], "must be one of auto, fp32, bf16"),
+    (["train.precision=fp16"], "must be one of auto, fp32, bf16, fp8"),
     (["train.steps"], "expected key=value"),
     (["model.tie_embeddings=true", "parallel.dp=2"], "model.tie_embeddings = True: is not supported with data or context"),
 ])
