@@ -130,6 +130,7 @@ def build_report(work: Path) -> dict:
         "tests": read_tests(work / "tests.xml"), "kernels": kernels,
         "kernel_verdicts": kernel_verdicts(kernels) if kernels else [],
         "train": {k: v for k, v in train.items() if v is not None},
+        "fp8_loss": _load(work / "fp8_loss.json"),
     }
     env = report["env"] or {}
     for result in report["train"].values():
@@ -202,6 +203,11 @@ def markdown(report: dict) -> str:
         if "fp8_speedup_in_training" in report:
             lines.append(f"- FP8 vs bf16 (eager, same kernels): {report['fp8_speedup_in_training']:.2f}× tokens/s "
                          "(MFU counts the same model FLOPs against the bf16 peak)")
+    loss = report.get("fp8_loss")
+    if loss:
+        lines.append(f"- FP8 loss after {loss['step']} steps {loss['loss_fp8']:.4f} vs bf16 {loss['loss_bf16']:.4f}: "
+                     f"{loss['rel_diff_last']:.2%} apart (largest {loss['rel_diff_max']:.2%}; goal ≤ {loss['goal']:.0%}, "
+                     f"{'met' if loss['met'] else 'missed'})")
     return "\n".join(lines) + "\n"
 
 

@@ -7,7 +7,8 @@
 #   OUT=results bash bench/gpu_check.sh kernels train   # some sections
 #   OUT=results bash bench/gpu_check.sh --dry-run       # CPU, toy sizes: tests the plumbing
 #
-# Sections: env tests kernels train (train_eager train_torch train_compiled train_fp8) — each under its
+# Sections: env tests kernels train (train_eager train_torch train_compiled train_fp8) fp8_loss (100 steps
+# of FP8 against bf16 on the same data, 2 layers of the model) — each under its
 # own time limit, so one that hangs costs its limit, not the call. After every section
 # $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/logs.txt are rewritten with what is known,
 # so a call cut short still returns the finished sections.
@@ -20,13 +21,13 @@ SECTIONS=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        env|tests|kernels|train_eager|train_torch|train_compiled|train_fp8) SECTIONS+=("$arg") ;;
+        env|tests|kernels|train_eager|train_torch|train_compiled|train_fp8|fp8_loss) SECTIONS+=("$arg") ;;
         train) SECTIONS+=(train_eager train_torch train_compiled train_fp8) ;;
         *) echo "gpu_check.sh: unknown argument '$arg'; expected --dry-run or sections among:" \
-                "env tests kernels train train_eager train_torch train_compiled train_fp8" >&2; exit 2 ;;
+                "env tests kernels train train_eager train_torch train_compiled train_fp8 fp8_loss" >&2; exit 2 ;;
     esac
 done
-[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env kernels train_eager train_fp8 train_torch tests train_compiled)
+[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env kernels train_eager train_fp8 train_torch tests train_compiled fp8_loss)
 [[ " ${SECTIONS[*]} " == *" env "* ]] || SECTIONS=(env "${SECTIONS[@]}")
 
 OUT=${OUT:-$ROOT/gpu_check_out}
@@ -47,11 +48,13 @@ if [[ $DRY == 1 ]]; then
     export TRITON_INTERPRET=1
     CONFIG=(configs/tiny.yaml train.batch_size=2 train.seq_len=64 train.precision=fp32)
     STEPS=(--steps 1 --warmup 0)
+    LOSS_STEPS=2
     TESTS=(tests/kernels -k "checks_arguments")
     KERNEL_ARGS=(--dry-run --tune --rep-ms 5)
 else
     CONFIG=(configs/mixtral-h200.yaml)
     STEPS=(--steps 30 --warmup 3)
+    LOSS_STEPS=100
     TESTS=(tests/kernels)
     KERNEL_ARGS=(--rep-ms 25 --seq-lens 4096 8192 ${TUNE:+--tune})
 fi
@@ -86,6 +89,8 @@ for section in "${SECTIONS[@]}"; do
                          model.attention=sdpa kernel.backend=torch "${STEPS[@]}" --json "$WORK/train_torch.json" ;;
         train_fp8) run_section train_fp8 100 "$PY" bench/mfu.py "${CONFIG[@]}" train.compile=false \
                        train.precision=fp8 "${STEPS[@]}" --json "$WORK/train_fp8.json" ;;
+        fp8_loss) run_section fp8_loss 150 "$PY" bench/fp8_loss.py "${CONFIG[@]}" model.n_layers=2 \
+                      --steps "${LOSS_STEPS}" --json "$WORK/fp8_loss.json" ;;
         train_compiled) run_section train_compiled 200 "$PY" bench/mfu.py "${CONFIG[@]}" train.compile=true \
                             "${STEPS[@]}" --json "$WORK/train_compiled.json" ;;
     esac

@@ -76,3 +76,13 @@ def test_unknown_section_is_refused_in_one_line(tmp_path):
                          env={**os.environ, "OUT": str(tmp_path)}, timeout=60)
     assert run.returncode == 2
     assert run.stderr.count("\n") == 1 and "unknown argument 'benchmarks'" in run.stderr
+
+
+def test_the_fp8_loss_comparison_reaches_the_report(tmp_path):
+    (tmp_path / "fp8_loss.json").write_text(json.dumps({
+        "bench": "fp8_loss", "step": 100, "loss_bf16": 2.0, "loss_fp8": 2.01, "rel_diff_last": 0.005,
+        "rel_diff_max": 0.007, "goal": 0.01, "met": True}))
+    report = gpu_check.build_report(tmp_path)
+    assert report["fp8_loss"]["loss_fp8"] == 2.01
+    assert ("- FP8 loss after 100 steps 2.0100 vs bf16 2.0000: 0.50% apart (largest 0.70%; goal ≤ 1%, met)"
+            in gpu_check.markdown(report))
