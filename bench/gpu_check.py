@@ -1,6 +1,7 @@
 """The Python side of bench/gpu_check.sh: the device's measured ceilings, and the report.
 
     python bench/gpu_check.py env --json env.json          # device, versions, copy and matmul ceilings
+    python bench/gpu_check.py plan CONFIG --env env.json --json plan.json   # the planner's step time here
     python bench/gpu_check.py report --work W --out OUT    # W's section outputs → OUT/gpu_check.{json,md}, logs.txt
 
 The report states every target as met or missed: grouped GEMM >= 0.9x cuBLAS at equal FLOPs and
@@ -32,6 +33,8 @@ TRAIN_SECTIONS = {"train_compiled": "Triton kernels, compiled", "train_eager": "
                   "train_torch": "torch paths (SDPA, torch._grouped_mm), eager",
                   "train_fp8": "FP8 linears and experts (torchao), eager"}
 LOG_TAIL_LINES = 300
+# Counted and analytic MFU must agree this closely (relative), or the report names the components apart.
+MFU_AGREEMENT = 0.02
 
 
 def measure_env() -> dict:
@@ -83,6 +86,32 @@ def measure_env() -> dict:
     return env
 
 
+def predict_step(config: str, overrides: list[str], env: dict, profile_name: str | None = None) -> dict:
+    """The planner's step time for the trained config's own layout on this device: with the GPU's
+    data-sheet profile, and with that profile calibrated on the GPU (its matmul efficiency and
+    memory bandwidth replaced by the ceilings the env section measured). `profile_name`: the
+    profile to start from; by default the one whose name the device's name contains."""
+    from dataclasses import replace
+
+    from moetron.launcher.config import load_config
+    from moetron.launcher.perf.device_profiles import PROFILES
+    from moetron.launcher.perf.planner import Layout, predict
+
+    name = profile_name or next((n for n in PROFILES if n in str(env.get("device", "")).upper()), None)
+    if name is None:
+        return {"profile": None, "reason": f"no device profile for {env.get('device')!r}"}
+    cfg = load_config(config, overrides)
+    base = PROFILES[name]
+    calibrated = replace(base, matmul_efficiency=env["matmul_tflops"] * 1e12 / base.peak_flops,
+                         hbm_bw=env["copy_tb_s"] * 1e12)
+    layout = Layout(cfg.parallel, cfg.train.grad_accum, cfg.train.activation_checkpoint)
+    out = {"profile": name, "layout": layout.label(), "matmul_efficiency_measured": calibrated.matmul_efficiency}
+    for key, profile in (("datasheet", base), ("calibrated", calibrated)):
+        p = predict(cfg, layout, profile, gpus_per_node=1)
+        out[key] = {"step_s": p.step_s, "mfu": p.mfu, "times": p.times}
+    return out
+
+
 def read_tests(path: Path) -> dict | None:
     """Counts and failed test ids from pytest's JUnit XML."""
     if not path.exists():
@@ -120,6 +149,22 @@ def kernel_verdicts(kernels: dict) -> list[dict]:
     return out
 
 
+def mfu_agreement(run: dict, within: float = MFU_AGREEMENT) -> str:
+    """One line on whether a run's counted MFU (the FLOP formulas of the ops that ran, one eager
+    step) agrees with its analytic MFU (6N + attention from the config), and where not, which
+    components differ: their counted and analytic GFLOP per token."""
+    ratio = run["flops_per_token_counted"] / run["flops_per_token_analytic"]
+    line = f"counted / analytic MFU {ratio:.3f}"
+    if abs(ratio - 1) <= within:
+        return f"{line} (within {within:.0%})"
+    parts = run.get("flops_per_token_by_component") or {}
+    analytic, counted = parts.get("analytic", {}), parts.get("counted", {})
+    off = [f"{name} {counted.get(name, 0) / 1e9:.3f} counted vs {analytic.get(name, 0) / 1e9:.3f} analytic"
+           for name in [*analytic, *(n for n in counted if n not in analytic)]
+           if abs(counted.get(name, 0) - analytic.get(name, 0)) > within * max(analytic.get(name, 0), 1)]
+    return f"{line} (more than {within:.0%} apart; GFLOP/token: {'; '.join(off) or 'no single component'})"
+
+
 def build_report(work: Path) -> dict:
     sections = [json.loads(line) for line in (work / "sections.jsonl").read_text().splitlines()] \
         if (work / "sections.jsonl").exists() else []
@@ -131,6 +176,7 @@ def build_report(work: Path) -> dict:
         "kernel_verdicts": kernel_verdicts(kernels) if kernels else [],
         "train": {k: v for k, v in train.items() if v is not None},
         "fp8_loss": _load(work / "fp8_loss.json"),
+        "plan": _load(work / "plan.json"),
     }
     env = report["env"] or {}
     for result in report["train"].values():
@@ -139,6 +185,11 @@ def build_report(work: Path) -> dict:
     on, off = train.get("train_compiled") or train.get("train_eager"), train.get("train_torch")
     if on and off:
         report["kernels_speedup_in_training"] = on["tokens_per_s"] / off["tokens_per_s"]
+    plan = report["plan"] or {}
+    if plan.get("profile"):  # measured over predicted step time, for each run of the same layout
+        report["measured_over_predicted"] = {
+            name: {k: r["step_time_s_median"] / plan[k]["step_s"] for k in ("datasheet", "calibrated")}
+            for name, r in report["train"].items() if name in ("train_eager", "train_compiled")}
     fp8, bf16 = train.get("train_fp8"), train.get("train_eager")
     if fp8 and bf16:  # the same config and kernels, eager both: what FP8 buys
         report["fp8_speedup_in_training"] = fp8["tokens_per_s"] / bf16["tokens_per_s"]
@@ -195,6 +246,7 @@ def markdown(report: dict) -> str:
                       f"parameters, {any_run['batch']}×{any_run['seq_len']} tokens a step; MFU numerator "
                       f"{any_run['flops_per_token_analytic'] / 1e9:.2f} GFLOP/token analytic (6N + full-square "
                       f"attention), counted {any_run['flops_per_token_counted'] / 1e9:.2f}; peak: {any_run['peak_source']}."]
+        lines += [f"- {TRAIN_SECTIONS[name]}: {mfu_agreement(r)}" for name, r in report["train"].items()]
         best_mfu = max(r["mfu"] for r in report["train"].values())
         lines += [f"- MFU {best_mfu:.1%} vs {name} ~{mfu:.0%}: {'met' if best_mfu >= mfu else 'missed'}"
                   for name, mfu in PEER_MFU.items()]
@@ -203,6 +255,15 @@ def markdown(report: dict) -> str:
         if "fp8_speedup_in_training" in report:
             lines.append(f"- FP8 vs bf16 (eager, same kernels): {report['fp8_speedup_in_training']:.2f}× tokens/s "
                          "(MFU counts the same model FLOPs against the bf16 peak)")
+    plan = report.get("plan") or {}
+    if plan.get("profile"):
+        lines += ["", (f"Planner, {plan['layout']} on {plan['profile']}: predicted {plan['datasheet']['step_s']:.3f} s a "
+                       f"step from the data sheet, {plan['calibrated']['step_s']:.3f} s calibrated on this GPU (matmul "
+                       f"efficiency {plan['matmul_efficiency_measured']:.0%} measured)")]
+        lines += [f"- {TRAIN_SECTIONS[name]}: measured / predicted {r['datasheet']:.2f}× (data sheet), "
+                  f"{r['calibrated']:.2f}× (calibrated)" for name, r in report.get("measured_over_predicted", {}).items()]
+    elif plan:
+        lines += ["", f"Planner: {plan['reason']}"]
     loss = report.get("fp8_loss")
     if loss:
         lines.append(f"- FP8 loss after {loss['step']} steps {loss['loss_fp8']:.4f} vs bf16 {loss['loss_bf16']:.4f}: "
@@ -231,6 +292,12 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     e = sub.add_parser("env")
     e.add_argument("--json", type=Path, required=True)
+    pl = sub.add_parser("plan")
+    pl.add_argument("config")
+    pl.add_argument("overrides", nargs="*", metavar="key=value")
+    pl.add_argument("--env", type=Path, required=True, help="the env section's JSON (measured ceilings)")
+    pl.add_argument("--profile", help="device profile to start from (default: the device's own)")
+    pl.add_argument("--json", type=Path, required=True)
     r = sub.add_parser("report")
     r.add_argument("--work", type=Path, required=True)
     r.add_argument("--out", type=Path, required=True)
@@ -239,6 +306,10 @@ def main(argv=None) -> int:
         env = measure_env()
         args.json.write_text(json.dumps(env, indent=1))
         print(json.dumps(env))
+    elif args.cmd == "plan":
+        plan = predict_step(args.config, args.overrides, json.loads(args.env.read_text()), args.profile)
+        args.json.write_text(json.dumps(plan, indent=1))
+        print(json.dumps(plan))
     else:
         write_report(args.work, args.out)
     return 0

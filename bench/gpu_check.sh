@@ -7,7 +7,7 @@
 #   OUT=results bash bench/gpu_check.sh kernels train   # some sections
 #   OUT=results bash bench/gpu_check.sh --dry-run       # CPU, toy sizes: tests the plumbing
 #
-# Sections: env tests kernels train (train_eager train_torch train_compiled train_fp8) fp8_loss (100 steps
+# Sections: env plan (the planner's step time, data sheet and calibrated) tests kernels train (train_eager train_torch train_compiled train_fp8) fp8_loss (100 steps
 # of FP8 against bf16 on the same data, 2 layers of the model) — each under its
 # own time limit, so one that hangs costs its limit, not the call. After every section
 # $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/logs.txt are rewritten with what is known,
@@ -21,13 +21,13 @@ SECTIONS=()
 for arg in "$@"; do
     case "$arg" in
         --dry-run) DRY=1 ;;
-        env|tests|kernels|train_eager|train_torch|train_compiled|train_fp8|fp8_loss) SECTIONS+=("$arg") ;;
+        env|plan|tests|kernels|train_eager|train_torch|train_compiled|train_fp8|fp8_loss) SECTIONS+=("$arg") ;;
         train) SECTIONS+=(train_eager train_torch train_compiled train_fp8) ;;
         *) echo "gpu_check.sh: unknown argument '$arg'; expected --dry-run or sections among:" \
-                "env tests kernels train train_eager train_torch train_compiled train_fp8 fp8_loss" >&2; exit 2 ;;
+                "env plan tests kernels train train_eager train_torch train_compiled train_fp8 fp8_loss" >&2; exit 2 ;;
     esac
 done
-[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env kernels train_eager train_fp8 train_torch tests train_compiled fp8_loss)
+[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env plan kernels train_eager train_fp8 train_torch tests train_compiled fp8_loss)
 [[ " ${SECTIONS[*]} " == *" env "* ]] || SECTIONS=(env "${SECTIONS[@]}")
 
 OUT=${OUT:-$ROOT/gpu_check_out}
@@ -49,12 +49,14 @@ if [[ $DRY == 1 ]]; then
     CONFIG=(configs/tiny.yaml train.batch_size=2 train.seq_len=64 train.precision=fp32)
     STEPS=(--steps 1 --warmup 0)
     LOSS_STEPS=2
+    PROFILE=(--profile H100)  # the plumbing: a CPU has no GPU profile to start from
     TESTS=(tests/kernels -k "checks_arguments")
     KERNEL_ARGS=(--dry-run --tune --rep-ms 5)
 else
     CONFIG=(configs/mixtral-h200.yaml)
     STEPS=(--steps 30 --warmup 3)
     LOSS_STEPS=100
+    PROFILE=()
     TESTS=(tests/kernels)
     KERNEL_ARGS=(--rep-ms 25 --seq-lens 4096 8192 ${TUNE:+--tune})
 fi
@@ -80,6 +82,8 @@ run_section() {  # name, time limit in seconds, command...
 for section in "${SECTIONS[@]}"; do
     case "$section" in
         env) run_section env 90 "$PY" bench/gpu_check.py env --json "$WORK/env.json" ;;
+        plan) run_section plan 60 "$PY" bench/gpu_check.py plan "${CONFIG[@]}" --env "$WORK/env.json" "${PROFILE[@]}" \
+                  --json "$WORK/plan.json" ;;
         tests) run_section tests 150 "$PY" -m pytest -q -p no:cacheprovider "${TESTS[@]}" \
                    --junitxml="$WORK/tests.xml" ;;
         kernels) run_section kernels 170 "$PY" bench/kernel_speed.py "${KERNEL_ARGS[@]}" --json "$WORK/kernels.json" ;;

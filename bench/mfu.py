@@ -21,7 +21,7 @@ import torch
 
 from moetron.launcher.config import ConfigError, load_config
 from moetron.launcher.perf.flop_counter import ComponentFlopCounter, single_process_step
-from moetron.launcher.perf.flops import flops_per_token, flops_per_token_6n
+from moetron.launcher.perf.flops import flops_by_component, flops_per_token, flops_per_token_6n
 from moetron.launcher.perf.mfu import PEAK_DTYPES, device_peak, memory_gib, sweep_matmul_peak
 from moetron.launcher.train.device import check_fp8, resolve_device, use_bf16
 from moetron.launcher.train.optim import build_optimizer
@@ -122,6 +122,9 @@ def run(args) -> dict:
         "tokens_per_s": tokens_per_s,
         "flops_per_token_analytic": analytic, "flops_per_token_6n": flops_per_token_6n(cfg.model),
         "flops_per_token_counted": counted,
+        "flops_per_token_by_component": {
+            "analytic": flops_by_component(cfg.model, t.seq_len),
+            "counted": {k: v / (t.batch_size * t.seq_len) for k, v in counter.by_component().items()}},
         "tflops": tokens_per_s * analytic / 1e12, "tflops_measured": tokens_per_s * counted / 1e12,
         "peak_tflops": peak / 1e12, "peak_source": peak_source,
         "peak_tflops_before_after": [p / 1e12 for p in (peak_before, peak_after) if p is not None],

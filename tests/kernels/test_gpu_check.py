@@ -1,6 +1,8 @@
 """bench/gpu_check.sh, the one call a lent GPU gets, dry-run on CPU: every section runs, and the
 report it leaves under $OUT has the promised shape and numbers that agree with each other."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,7 +22,7 @@ import gpu_check  # noqa: E402
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the dry run is for machines without a GPU")
 def test_dry_run_writes_a_complete_report(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path / "out"), "XDG_CACHE_HOME": str(tmp_path), "PYTHON": sys.executable}
-    run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "tests", "kernels", "train_torch"],
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run", "plan", "tests", "kernels", "train_torch"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = tmp_path / "out"
@@ -28,7 +30,7 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["schema"] == gpu_check.SCHEMA_VERSION
     # env is always run first, even when not named.
-    assert [s["section"] for s in report["sections"]] == ["env", "tests", "kernels", "train_torch"]
+    assert [s["section"] for s in report["sections"]] == ["env", "plan", "tests", "kernels", "train_torch"]
     assert all(s["rc"] == 0 for s in report["sections"]), report["sections"]
     assert report["env"]["matmul_tflops"] > 0 and report["env"]["copy_tb_s"] > 0
     assert report["tests"]["passed"] >= 1 and not report["tests"]["failed"]
@@ -55,9 +57,30 @@ def test_dry_run_writes_a_complete_report(tmp_path):
     # 2 × 64 = 128 tokens a step; MFU is their model FLOPs per second over the peak.
     assert train["tokens_per_s"] == pytest.approx(128 / train["step_time_s_median"], rel=1e-9)
     assert train["mfu"] == pytest.approx(train["tokens_per_s"] * 24_920_064 / (train["peak_tflops"] * 1e12), rel=1e-9)
+    # The planner's step time for the trained layout, as `moetron plan` gives it for one device of
+    # the dry run's stand-in profile, and again with the measured matmul rate in the profile.
+    plan = report["plan"]
+    want = moetron_plan(["configs/tiny.yaml", "train.batch_size=2", "train.seq_len=64", "train.precision=fp32",
+                         "--gpus", "1", "--gpu", "H100"])
+    assert plan["layout"] == "1 rank" and plan["datasheet"]["step_s"] == pytest.approx(want["step_s"], rel=1e-12)
+    assert plan["matmul_efficiency_measured"] == pytest.approx(report["env"]["matmul_tflops"] * 1e12 / want["peak_flops"])
+    assert plan["calibrated"]["step_s"] > plan["datasheet"]["step_s"]  # a CPU is slower than an H100's data sheet
     md = (out / "gpu_check.md").read_text()
+    assert "Planner, 1 rank on H100: predicted" in md
     assert "| torch paths (SDPA, torch._grouped_mm), eager |" in md and "Kernel targets:" in md
     assert "==== kernels (exit 0" in (out / "logs.txt").read_text()
+
+
+def moetron_plan(argv: list[str]) -> dict:
+    """`moetron plan ARGV --json`'s one-rank layout, with the profile's peak."""
+    from moetron.launcher.cli.main import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["plan", *argv, "--json"]) == 0
+    plan = json.loads(buf.getvalue())
+    (one,) = [p for p in plan["ranked"] if p["layout"]["label"] == "1 rank"]
+    return {**one, "peak_flops": plan["profile"]["peak_flops"]}
 
 
 def test_verdicts_compare_each_ratio_with_its_target():
@@ -86,3 +109,22 @@ def test_the_fp8_loss_comparison_reaches_the_report(tmp_path):
     assert report["fp8_loss"]["loss_fp8"] == 2.01
     assert ("- FP8 loss after 100 steps 2.0100 vs bf16 2.0000: 0.50% apart (largest 0.70%; goal ≤ 1%, met)"
             in gpu_check.markdown(report))
+
+
+def test_measured_step_times_are_set_against_the_planners(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({"profile": "H200", "layout": "1 rank",
+                                                    "datasheet": {"step_s": 0.1}, "calibrated": {"step_s": 0.16}}))
+    (tmp_path / "train_eager.json").write_text(json.dumps({"step_time_s_median": 0.2}))
+    report = gpu_check.build_report(tmp_path)
+    assert report["measured_over_predicted"] == {"train_eager": {"datasheet": pytest.approx(2.0),
+                                                                 "calibrated": pytest.approx(1.25)}}
+
+
+def test_counted_and_analytic_mfu_agree_or_the_components_apart_are_named():
+    run = {"flops_per_token_analytic": 100e9, "flops_per_token_counted": 101e9}
+    assert gpu_check.mfu_agreement(run) == "counted / analytic MFU 1.010 (within 2%)"
+    run = {"flops_per_token_analytic": 100e9, "flops_per_token_counted": 110e9, "flops_per_token_by_component": {
+        "analytic": {"attention_projections": 40e9, "attention_scores": 20e9, "experts": 40e9},
+        "counted": {"attention_projections": 40e9, "attention_scores": 30e9, "experts": 40e9, "other": 0.0}}}
+    assert gpu_check.mfu_agreement(run) == ("counted / analytic MFU 1.100 (more than 2% apart; GFLOP/token: "
+                                            "attention_scores 30.000 counted vs 20.000 analytic)")
