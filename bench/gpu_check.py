@@ -5,7 +5,7 @@
     python bench/gpu_check.py report --work W --out OUT    # W's section outputs → OUT/gpu_check.{json,md}, logs.txt
 
 The report states every target as met or missed: grouped GEMM >= 0.9x cuBLAS at equal FLOPs and
->= 1.0x torch._grouped_mm; flash attention forward >= 0.9x and backward >= 0.8x SDPA's flash
+>= 1.0x torch._grouped_mm in every pass; flash attention forward >= 0.9x and backward >= 1.0x SDPA's flash
 backend; training MFU beside Megatron-Core's ~47% and torchtitan's ~39% (their published
 Mixtral-8x7B figures on H100 clusters, so a reference point rather than a like-for-like peer).
 """
@@ -26,7 +26,7 @@ TARGETS = {
     ("grouped_mm", "ratio_vs_dense"): 0.9,
     ("grouped_mm", "ratio_vs_grouped_mm"): 1.0,
     ("attention", "fwd"): 0.9,
-    ("attention", "bwd"): 0.8,
+    ("attention", "bwd"): 1.0,
 }
 PEER_MFU = {"Megatron-Core": 0.47, "torchtitan": 0.39}
 TRAIN_SECTIONS = {"train_compiled": "Triton kernels, compiled", "train_eager": "Triton kernels, eager",
