@@ -86,6 +86,8 @@ def flop_formulas() -> dict[str, Callable[..., int]]:
         formulas[f"aten.{name}"] = _attention_fwd
         formulas[f"aten.{name}_backward"] = _attention_bwd
     formulas["aten._grouped_mm"] = _torch_grouped_mm
+    # FP8 experts (train.precision fp8): torchao's grouped GEMM runs these, with the operands' shapes of _grouped_mm.
+    formulas["aten._scaled_grouped_mm"] = _torch_grouped_mm
     formulas["moetron.grouped_mm"] = _grouped_mm
     formulas["moetron.grouped_mm_wgrad"] = _grouped_mm_wgrad
     formulas["moetron.flash_attention_fwd"] = _attention_fwd

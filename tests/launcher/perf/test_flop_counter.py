@@ -37,3 +37,22 @@ print("ok")
 def test_tensor_parallel_rank_counts_its_share_of_the_matmuls():
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+def test_the_fp8_experts_grouped_gemm_counts_like_the_bf16_one():
+    """train.precision fp8 runs the experts through torch._scaled_grouped_mm (torchao): counted as
+    _grouped_mm is, 2 FLOPs per row, K and N (meta tensors: shapes only, as on a GPU)."""
+    import torch
+    from torch import nn
+
+    from moetron.launcher.perf.flop_counter import ComponentFlopCounter
+
+    rows, k, n, experts = 64, 32, 48, 4
+    a = torch.empty(rows, k, device="meta", dtype=torch.float8_e4m3fn)
+    b = torch.empty(experts, n, k, device="meta", dtype=torch.float8_e4m3fn).mT  # column-major per expert
+    scales = torch.empty(rows, device="meta"), torch.empty(experts, n, device="meta")
+    offsets = torch.empty(experts, device="meta", dtype=torch.int32)
+    with ComponentFlopCounter(nn.Identity()) as counter:
+        torch._scaled_grouped_mm(a, b, *scales, offs=offsets, out_dtype=torch.bfloat16)
+        torch._grouped_mm(a.to(torch.bfloat16), b.to(torch.bfloat16), offs=offsets)
+    assert counter.total == 2 * (2 * rows * k * n) and not counter.uncounted
