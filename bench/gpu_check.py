@@ -1,7 +1,8 @@
 """The Python side of bench/gpu_check.sh: the device's measured ceilings, and the report.
 
     python bench/gpu_check.py env --json env.json          # device, versions, copy and matmul ceilings
-    python bench/gpu_check.py plan CONFIG --env env.json --json plan.json   # the planner's step time here
+    python bench/gpu_check.py plan CONFIG --env env.json --json plan.json   # the planner's step time here,
+                                                                            # with this GPU calibrated
     python bench/gpu_check.py report --work W --out OUT    # W's section outputs → OUT/gpu_check.{json,md}, logs.txt
 
 The report states every target as met or missed: grouped GEMM >= 0.9x cuBLAS at equal FLOPs and
@@ -88,25 +89,28 @@ def measure_env() -> dict:
 
 def predict_step(config: str, overrides: list[str], env: dict, profile_name: str | None = None) -> dict:
     """The planner's step time for the trained config's own layout on this device: with the GPU's
-    data-sheet profile, and with that profile calibrated on the GPU (its matmul efficiency and
-    memory bandwidth replaced by the ceilings the env section measured). `profile_name`: the
-    profile to start from; by default the one whose name the device's name contains."""
-    from dataclasses import replace
+    data-sheet profile, and with the "gpu" profile `moetron plan --calibrate` measures here from it
+    (launcher/perf/calibrate_gpu.py; stored where `moetron plan --gpu gpu` reads it). `profile_name`:
+    the data sheet to start from; by default the one whose name the device's name contains. On a
+    CPU (the dry run) the calibration times small shapes."""
+    import torch
 
-    from moetron.launcher.config import load_config
+    from moetron.launcher.config import ConfigError, load_config
+    from moetron.launcher.perf.calibrate_gpu import calibrate_gpu, gpu_profile_name
     from moetron.launcher.perf.device_profiles import PROFILES
     from moetron.launcher.perf.planner import Layout, predict
 
-    name = profile_name or next((n for n in PROFILES if n in str(env.get("device", "")).upper()), None)
-    if name is None:
-        return {"profile": None, "reason": f"no device profile for {env.get('device')!r}"}
+    try:
+        name = profile_name or gpu_profile_name(str(env.get("device", "")))
+    except ConfigError as e:
+        return {"profile": None, "reason": str(e)}
     cfg = load_config(config, overrides)
-    base = PROFILES[name]
-    calibrated = replace(base, matmul_efficiency=env["matmul_tflops"] * 1e12 / base.peak_flops,
-                         hbm_bw=env["copy_tb_s"] * 1e12)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    small = {} if device.type == "cuda" else {"shapes": ((256, 256, 256),), "copy_bytes": 2**22}
+    calibrated, _ = calibrate_gpu(device, base=PROFILES[name], console=print, **small)
     layout = Layout(cfg.parallel, cfg.train.grad_accum, cfg.train.activation_checkpoint)
     out = {"profile": name, "layout": layout.label(), "matmul_efficiency_measured": calibrated.matmul_efficiency}
-    for key, profile in (("datasheet", base), ("calibrated", calibrated)):
+    for key, profile in (("datasheet", PROFILES[name]), ("calibrated", calibrated)):
         p = predict(cfg, layout, profile, gpus_per_node=1)
         out[key] = {"step_s": p.step_s, "mfu": p.mfu, "times": p.times}
     return out
@@ -295,7 +299,7 @@ def main(argv=None) -> int:
     pl = sub.add_parser("plan")
     pl.add_argument("config")
     pl.add_argument("overrides", nargs="*", metavar="key=value")
-    pl.add_argument("--env", type=Path, required=True, help="the env section's JSON (measured ceilings)")
+    pl.add_argument("--env", type=Path, required=True, help="the env section's JSON (the device's name)")
     pl.add_argument("--profile", help="device profile to start from (default: the device's own)")
     pl.add_argument("--json", type=Path, required=True)
     r = sub.add_parser("report")

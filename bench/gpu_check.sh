@@ -7,7 +7,7 @@
 #   OUT=results bash bench/gpu_check.sh kernels train   # some sections
 #   OUT=results bash bench/gpu_check.sh --dry-run       # CPU, toy sizes: tests the plumbing
 #
-# Sections: env plan (the planner's step time, data sheet and calibrated) tests kernels train (train_eager train_torch train_compiled train_fp8) fp8_loss (100 steps
+# Sections: env plan (the planner's step time: data sheet, and this GPU calibrated) tests kernels train (train_eager train_torch train_compiled train_fp8) fp8_loss (100 steps
 # of FP8 against bf16 on the same data, 2 layers of the model) — each under its
 # own time limit, so one that hangs costs its limit, not the call. After every section
 # $OUT/gpu_check.json, $OUT/gpu_check.md and $OUT/logs.txt are rewritten with what is known,

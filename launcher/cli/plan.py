@@ -1,5 +1,6 @@
 """`moetron plan CONFIG --gpus N`: the parallel layouts of a config on N devices that fit in memory,
-ranked by predicted step time; `--calibrate` measures this machine's profile for `--gpu cpu`."""
+ranked by predicted step time; `--calibrate` measures this machine's profile for `--gpu cpu` (or,
+where a CUDA GPU is, its GPU's for `--gpu gpu`)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ def register(sub) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     p.add_argument("--gpus", type=int, help="devices (ranks) to plan for")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (NVLink domain)")
-    p.add_argument("--gpu", default="H100", help="device profile: H100, H200, A100, B200, or cpu (calibrated)")
+    p.add_argument("--gpu", default="H100",
+                   help="device profile: H100, H200, A100, B200, or cpu or gpu (this machine's, calibrated)")
     p.add_argument("--interconnect", default=None, help="inter-node link: ndr, hdr, roce400, eth100")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
@@ -38,7 +40,8 @@ def register(sub) -> None:
     p.add_argument("--overrides-only", action="store_true",
                    help="print only the best layout's config overrides (for scripts and --layout auto)")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (matmul rate, gloo collectives, per-block overhead) for --gpu cpu")
+                   help="measure this machine for --gpu cpu (matmul rate, gloo collectives, per-block overhead), "
+                        "or where CUDA is its GPU for --gpu gpu (matmul rate, memory bandwidth, per-block overhead)")
     p.add_argument("--ranks", type=int, default=4, help="ranks to calibrate collectives with")
     p.add_argument("--max-spread", type=float, metavar="RATIO",
                    help="refuse to store a calibration whose repeats differ by more than this (max/min; default "
@@ -50,9 +53,7 @@ def run(args) -> int:
     from moetron.launcher.config import ConfigError
 
     if args.calibrate:
-        from moetron.launcher.perf.calibrate import MAX_SPREAD, calibrate
-
-        profile, path = calibrate(ranks=args.ranks, max_spread=args.max_spread or MAX_SPREAD)
+        profile, path = calibrate_here(args)
         print(json.dumps(profile.to_dict(), indent=1) if args.json else f"calibrated {profile.name}: written to {path}")
         if not args.config:
             return 0
@@ -75,6 +76,19 @@ def run(args) -> int:
         return 0
     print_plan(cfg, args, profile, result, shown)
     return 0
+
+
+def calibrate_here(args):
+    """This machine's profile: its GPU's ("gpu") where CUDA is, else its CPU's ("cpu")."""
+    import torch
+
+    if torch.cuda.is_available():
+        from moetron.launcher.perf.calibrate_gpu import calibrate_gpu
+
+        return calibrate_gpu(torch.device("cuda"))
+    from moetron.launcher.perf.calibrate import MAX_SPREAD, calibrate
+
+    return calibrate(ranks=args.ranks, max_spread=args.max_spread or MAX_SPREAD)
 
 
 def matching(predictions, where) -> list:

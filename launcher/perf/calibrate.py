@@ -98,13 +98,15 @@ def timed_median(fn, repeats: int, warm: bool = True) -> float:
     return statistics.median(times)
 
 
-def _block_step():
+def block_step(device: torch.device | None = None) -> Callable[[], None]:
+    """One forward + backward of a one-block model of width 32 on 8 tokens, on `device`: its FLOPs
+    are negligible, its time the fixed cost of a block's operators (Python, ATen, kernel launches)."""
     from moetron.model.config import ModelConfig
     from moetron.model.transformer import build_model
 
     model = build_model(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, d_ff=64, max_seq_len=16,
-                                    attention="sdpa"))
-    ids = torch.randint(0, 64, (1, 8))
+                                    attention="sdpa"), device=device or "cpu")
+    ids = torch.randint(0, 64, (1, 8), device=device or "cpu")
     return lambda: model(ids).logits_BSV.sum().backward()
 
 
@@ -176,12 +178,12 @@ def _worker(rank: int, ranks: int, repeats: int, store_path: str, out_path: str)
         tensors = {"big": torch.empty(16 * 2**20), "small": torch.zeros(SMALL_BYTES // 4),
                    "large": torch.zeros(LARGE_BYTES // 4), "shard": torch.zeros(LARGE_BYTES // 4 // ranks),
                    "out": torch.zeros(LARGE_BYTES // 4)}
-        block_step, best, samples = _block_step(), {}, []
+        step, best, samples = block_step(), {}, []
         for r in range(repeats):
             dist.barrier()
             peak = _peak_alone(best) if rank == 0 else 0.0
             dist.barrier()
-            local, seconds = _concurrent(ranks, r == 0, tensors, block_step)
+            local, seconds = _concurrent(ranks, r == 0, tensors, step)
             mean = torch.tensor(list(local.values()), dtype=torch.float64)
             slowest = torch.tensor(list(seconds.values()), dtype=torch.float64)
             dist.all_reduce(mean)
@@ -229,13 +231,13 @@ def spread_table(stats: dict[str, dict[str, float]], max_spread: float = MAX_SPR
     return lines
 
 
-def _stderr(line: str) -> None:
+def to_stderr(line: str) -> None:
     print(line, file=sys.stderr)
 
 
 def calibrate(*, ranks: int = 4, path: Path | None = None, repeats: int = REPEATS, max_spread: float = MAX_SPREAD,
               measure: Callable[[int, int], Measurement] = measure_spawned,
-              console: Callable[[str], None] = _stderr) -> tuple[DeviceProfile, Path]:
+              console: Callable[[str], None] = to_stderr) -> tuple[DeviceProfile, Path]:
     """Measure with `ranks` concurrent processes, `repeats` times; write and return the "cpu" profile
     (and the MFU peak training reads, beside it). Raises NoisyCalibration, storing nothing, when a
     GATED number's repeats spread by more than `max_spread`. Progress and the spread go to `console`

@@ -129,6 +129,12 @@ def profile_cache() -> Path:
     return cache_dir() / "plan_profile.json"
 
 
+def gpu_profile_cache() -> Path:
+    from moetron.launcher.perf.mfu import cache_dir
+
+    return cache_dir() / "plan_profile_gpu.json"
+
+
 def cached_cpu_profile(path: Path | None = None) -> DeviceProfile | None:
     path = path or profile_cache()
     try:
@@ -159,7 +165,7 @@ def calibrate_on_first_use(path: Path | None = None, measure=None,
 
     path = path or profile_cache()
     path.parent.mkdir(parents=True, exist_ok=True)
-    console = console or cal._stderr
+    console = console or cal.to_stderr
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         profile = cached_cpu_profile(path)
@@ -173,13 +179,19 @@ def calibrate_on_first_use(path: Path | None = None, measure=None,
 
 
 def get_profile(name: str, *, interconnect: str | None = None) -> DeviceProfile:
-    """The profile of `name` (H100, H200, A100, B200 or cpu — the latter measured on first use)."""
+    """The profile of `name` (H100, H200, A100, B200; cpu, measured on first use; gpu, this machine's
+    GPU as `moetron plan --calibrate` measured it)."""
     if name == "cpu":
         profile = cached_cpu_profile() or calibrate_on_first_use()
+    elif name == "gpu":
+        profile = cached_cpu_profile(gpu_profile_cache())
+        if profile is None:
+            raise ConfigError("--gpu gpu: no calibrated GPU profile on this machine; run `moetron plan --calibrate` "
+                              "where the GPU is, or name a data-sheet profile (H100, H200, A100, B200)")
     elif name.upper() in PROFILES:
         profile = PROFILES[name.upper()]
     else:
-        raise ConfigError(f"--gpu {name!r}: unknown; choose one of {', '.join([*PROFILES, 'cpu'])}")
+        raise ConfigError(f"--gpu {name!r}: unknown; choose one of {', '.join([*PROFILES, 'cpu', 'gpu'])}")
     if interconnect:
         if interconnect not in INTERCONNECTS:
             raise ConfigError(f"--interconnect {interconnect!r}: unknown; choose one of {', '.join(INTERCONNECTS)}")
