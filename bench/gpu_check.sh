@@ -27,7 +27,8 @@ for arg in "$@"; do
                 "env plan tests kernels train train_eager train_torch train_compiled train_fp8 fp8_loss" >&2; exit 2 ;;
     esac
 done
-[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env plan kernels train_eager train_fp8 train_torch tests train_compiled fp8_loss)
+# The headline first (MFU in bf16 and FP8), so a call cut short still has it.
+[[ ${#SECTIONS[@]} -eq 0 ]] && SECTIONS=(env plan train_eager train_fp8 kernels train_torch train_compiled fp8_loss tests)
 [[ " ${SECTIONS[*]} " == *" env "* ]] || SECTIONS=(env "${SECTIONS[@]}")
 
 OUT=${OUT:-$ROOT/gpu_check_out}
