@@ -63,6 +63,10 @@ def measure_env() -> dict:
                  "--format=csv,noheader"], capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             env["nvidia_smi"] = None
+    from moetron.kernels.fp8 import fp8_problem
+
+    # Whether train.precision fp8 can run here (torchao present, importable with this torch, the GPU's capability).
+    env["fp8"] = fp8_problem(device) or "ok"
     n_copy, n_mm = (2**30, 8192) if cuda else (2**24, 512)
 
     def timed(fn, reps=10) -> float:
@@ -206,7 +210,7 @@ def markdown(report: dict) -> str:
     if env:
         lines += [f"{env.get('device')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, Triton {env.get('triton')}; "
                   f"measured ceilings: copy {env.get('copy_tb_s', 0):.2f} TB/s, matmul {env.get('matmul_tflops', 0):.0f} "
-                  f"TFLOP/s ({env.get('matmul_shape')})", ""]
+                  f"TFLOP/s ({env.get('matmul_shape')}); FP8: {env.get('fp8')}", ""]
     lines += ["| section | exit | seconds |", "| --- | --- | --- |"]
     lines += [f"| {s['section']} | {s['rc']}{' (time limit)' if s['rc'] in (124, 137) else ''} | {s['seconds']} |"
               for s in report["sections"]]
