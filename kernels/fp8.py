@@ -43,17 +43,41 @@ def fp8_problem(device: torch.device) -> str | None:
 
 
 def fp8_grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
-    """y_TN = x_TK @ w_EKN[e] for each expert's rows, in FP8 with rowwise scales (torchao).
-    Groups must hold multiples of FP8_GROUP_ROWS rows (the dispatcher pads them so); rows past
-    the last group come out zero, as from the other grouped-GEMM paths."""
+    """y_TN = x_TK @ w_EKN[e] for each expert's rows, in FP8 with rowwise scales (torchao). Rows
+    past the last group come out zero, as from the other grouped-GEMM paths."""
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
 
-    # NOTE: host-device sync to read the number of grouped rows (see grouped_mm._grouped_mm_torch).
-    end = int(offsets_E[-1]) if offsets_E.numel() else 0
     # The scaled grouped GEMM takes the right operand column-major per expert: strides (K·N, 1, K).
     w_col_EKN = w_EKN.mT.contiguous().mT
-    y_TN = _to_fp8_rowwise_then_scaled_grouped_mm(x_TK[:end], w_col_EKN, offsets_E.to(torch.int32),
-                                                  out_dtype=x_TK.dtype, pad_token_groups_for_grouped_mm=False)
+
+    def mm(x_PK: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x_PK, w_col_EKN, offsets, out_dtype=x_TK.dtype,
+                                                      pad_token_groups_for_grouped_mm=False)
+
+    return grouped_in_aligned_groups(mm, x_TK, offsets_E, FP8_GROUP_ROWS)
+
+
+def grouped_in_aligned_groups(mm, x_TK: torch.Tensor, offsets_E: torch.Tensor, multiple: int) -> torch.Tensor:
+    """mm(x_PK, offsets_P) (a grouped GEMM whose groups must hold multiples of `multiple` rows) on
+    groups of any size: each group's rows are copied into one padded to the multiple, and its
+    outputs copied back. The local dispatcher pads groups so already (no copy then); expert
+    parallelism's received groups are exact. Rows past the last group come out zero."""
+    # NOTE: host-device sync to read the group sizes (see grouped_mm._grouped_mm_torch).
+    ends = offsets_E.tolist()
+    counts = torch.diff(offsets_E, prepend=offsets_E.new_zeros(1)).tolist()
+    end = ends[-1] if ends else 0
+    if all(c % multiple == 0 for c in counts):
+        y_TN = mm(x_TK[:end], offsets_E.to(torch.int32))
+    else:
+        device = x_TK.device
+        padded = [-(-c // multiple) * multiple for c in counts]
+        counts_E, padded_E = torch.tensor(counts, device=device), torch.tensor(padded, device=device)
+        # Each group moves from its start to its padded start; its rows keep their order.
+        shift_E = (padded_E.cumsum(0) - padded_E) - (counts_E.cumsum(0) - counts_E)
+        group_R = torch.repeat_interleave(torch.arange(len(counts), device=device), counts_E)
+        dest_R = torch.arange(end, device=device) + shift_E[group_R]
+        x_PK = x_TK.new_zeros(sum(padded), x_TK.shape[1]).index_copy(0, dest_R, x_TK[:end])
+        y_TN = mm(x_PK, padded_E.cumsum(0).to(torch.int32)).index_select(0, dest_R)
     if end < x_TK.shape[0]:
         y_TN = torch.cat([y_TN, y_TN.new_zeros(x_TK.shape[0] - end, y_TN.shape[1])])
     return y_TN

@@ -62,3 +62,35 @@ def test_the_loss_bench_compares_two_real_runs_step_by_step(tmp_path, capsys):
 def test_the_loss_bench_refuses_fp8_on_a_cpu_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^fp8_loss.py: train.precision = 'fp8': FP8 GEMMs need a CUDA GPU"):
         fp8_loss_bench().main([TINY, *SMALL, "--steps", "2", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("counts", [[16, 32, 0, 16], [5, 0, 17, 3], [0, 0, 0, 0], [1, 15, 16, 33]])
+def test_groups_of_any_size_go_through_a_multiply_that_takes_multiples_of_16(counts):
+    """Expert parallelism's received groups are exact; the FP8 grouped GEMM takes multiples of 16
+    rows per group. Through the padding, a multiply that checks its groups gives what the per-group
+    reference gives, forward and backward, with the rows past the last group zero."""
+    from moetron.kernels.fp8 import grouped_in_aligned_groups
+    from moetron.kernels.grouped_mm import grouped_mm_reference
+
+    seen = []
+
+    def strict_mm(x_PK, offsets_P):
+        sizes = torch.diff(offsets_P, prepend=offsets_P.new_zeros(1))
+        assert offsets_P.dtype == torch.int32 and (sizes % 16 == 0).all() and x_PK.shape[0] == int(offsets_P[-1])
+        seen.append(sizes.tolist())
+        return grouped_mm_reference(x_PK, w_EKN, offsets_P)
+
+    torch.manual_seed(0)
+    rows = sum(counts) + 3  # and 3 rows past the last group
+    x_TK = torch.randn(rows, 8, dtype=torch.float64, requires_grad=True)
+    w_EKN = torch.randn(len(counts), 8, 4, dtype=torch.float64, requires_grad=True)
+    offsets_E = torch.tensor(counts).cumsum(0).to(torch.int32)
+    got = grouped_in_aligned_groups(strict_mm, x_TK, offsets_E, 16)
+    want = grouped_mm_reference(x_TK, w_EKN, offsets_E)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    assert seen == [[-(-c // 16) * 16 for c in counts]]
+    dy = torch.randn_like(want)
+    got_grads = torch.autograd.grad(got, (x_TK, w_EKN), dy)
+    want_grads = torch.autograd.grad(want, (x_TK, w_EKN), dy)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
