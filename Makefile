@@ -58,5 +58,10 @@ test-latest:
 constraints:
 	$(PYTHON) .ci/freeze.py > constraints.txt
 
+# The torchao the suite passed with; a GPU machine whose torch is older may need an older one
+# (make gpu-wheels TORCHAO=torchao==0.15.0).
+TORCHAO ?= $(shell grep '^torchao==' constraints.txt)
+
 gpu-wheels: $(VENV)/bin/pip
-	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --dest bench/wheels $$(grep '^torchao==' constraints.txt)
+	rm -rf bench/wheels
+	$(PYTHON) -m pip download --quiet --disable-pip-version-check --no-deps --dest bench/wheels '$(TORCHAO)'
