@@ -13,7 +13,7 @@ steps (median, all ranks in step), one step under bench/comm_volume.py's `Collec
                     rise of glibc's in-use heap (mallinfo2: arena + mmapped blocks) from before the
                     step to its highest point, read after every operator (grads, activations,
                     communication buffers, temporaries); the largest rank is reported.
-  memory, predicted `launcher.planner.predict_memory` (weights + grads + optimizer + activations +
+  memory, predicted `launcher.perf.planner.predict_memory` (weights + grads + optimizer + activations +
                     buffers), under expert parallelism for the routing the probed step had: the
                     busiest ep rank's routes over the mean (`moetron plan --expert-imbalance`).
 Then it prints predicted against measured for each layout, the ratio, Kendall's tau between the

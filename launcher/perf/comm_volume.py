@@ -79,6 +79,7 @@ evaluation and checkpoints.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from moetron.model.config import ModelConfig
@@ -321,14 +322,15 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
     else:
         reductions = 1
         gathers_per_unit, gathers_per_root = 2 * s.chunks, s.chunks
-    for u in _units(m, p):
+    # Alike units (the blocks of one kind) are one line: `n` times the calls and bytes.
+    for u, n in Counter(_units(m, p)).items():
         if u.group * u.replicas == 1:
             continue
-        reduces = (reductions + (u.early_reduce and s.grad_accum > 1)) * ranks
+        reduces = (reductions + (u.early_reduce and s.grad_accum > 1)) * ranks * n
         if p.dp_mode in ("fsdp", "hsdp"):
             name = "hsdp" if p.dp_mode == "hsdp" else "fsdp"
             if u.group > 1:
-                gathers = ((gathers_per_root if u.root else gathers_per_unit) + u.regathers * s.chunks) * ranks
+                gathers = ((gathers_per_root if u.root else gathers_per_unit) + u.regathers * s.chunks) * ranks * n
                 out.append(Traffic("all_gather", f"{name} parameters (fwd + bwd)", gathers,
                                    gathers * u.elements * param_bytes))
                 out.append(Traffic("reduce_scatter", f"{name} gradients", reduces,
@@ -339,8 +341,8 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
         else:
             out.append(Traffic("all_reduce", "ddp gradients", reduces, reduces * u.elements * grad_bytes))
             if p.dp_mode == "zero1":
-                out.append(Traffic("broadcast", "zero1 updated parameters", ranks * u.tensors,
-                                   ranks * u.elements * param_bytes))
+                out.append(Traffic("broadcast", "zero1 updated parameters", ranks * u.tensors * n,
+                                   ranks * n * u.elements * param_bytes))
     return out
 
 
@@ -380,21 +382,26 @@ def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
             shapes += [(hidden // split,)] * (mats - 1) + [(D,)]
         return shapes
 
-    units = []
-    for i in range(_blocks(m)):  # the decoder's blocks, then each MTP depth's (wrapped alike)
+    def block_units(moe: bool) -> list[_Unit]:
         block = norm * 2 + _attention_shapes(m, tp)
-        if m.is_moe_layer(i):
-            block.append((m.moe.num_experts, D))
-            if m.moe.shared_expert_d_ff:
-                block += ffn(m.moe.shared_expert_d_ff, 1)  # replicated over tp
-            experts = [(m.moe.num_experts // ep, D, Fe)] * (mats - 1) + [(m.moe.num_experts // ep, Fe, D)]
-            if ep > 1:
-                units.append(_Unit(size(experts, edp), edp, replicas=replicas, tensors=len(experts)))
-            else:
-                block += experts
-        else:
+        if not moe:
             block += ffn(F, tp)
-        units.append(_Unit(size(block, dp), dp, replicas=replicas, tensors=len(block)))
+            return [_Unit(size(block, dp), dp, replicas=replicas, tensors=len(block))]
+        block.append((m.moe.num_experts, D))
+        if m.moe.shared_expert_d_ff:
+            block += ffn(m.moe.shared_expert_d_ff, 1)  # replicated over tp
+        experts = [(m.moe.num_experts // ep, D, Fe)] * (mats - 1) + [(m.moe.num_experts // ep, Fe, D)]
+        if ep == 1:
+            block += experts
+            return [_Unit(size(block, dp), dp, replicas=replicas, tensors=len(block))]
+        return [_Unit(size(experts, edp), edp, replicas=replicas, tensors=len(experts)),
+                _Unit(size(block, dp), dp, replicas=replicas, tensors=len(block))]
+
+    # The decoder's blocks, then each MTP depth's (wrapped alike). Blocks of one kind are alike:
+    # each kind is sized once, as the planner asks this of thousands of layouts of tens of blocks.
+    kinds = [m.is_moe_layer(i) for i in range(_blocks(m))]
+    sized = {moe: block_units(moe) for moe in set(kinds)}
+    units = [u for moe in kinds for u in sized[moe]]
     return units + _outer_units(m, p, [_Unit(size(shapes, dp), dp, replicas=replicas, tensors=len(shapes))
                                        for shapes in _outer_shapes(m, p, norm)])
 

@@ -20,7 +20,7 @@ layout the trainer refuses. Its cost, by named part:
              matmul, only the elementwise work) — at the profile's sustained matmul rate,
              plus a fixed cost per block and chunk (×1.5 under full checkpointing, ×1.2 under
              selective: the regions replayed in backward).
-  comm       `parallel.comm_volume.predict_step`'s collectives, each at the bus bandwidth (of
+  comm       `comm_volume.predict_step`'s collectives, each at the bus bandwidth (of
              its kind, where the profile tells kinds apart) and latency of the link its group
              spans: a group of consecutive ranks inside one node (TP, EP, CP laid out innermost)
              uses the intra-node link, any other the inter-node one. TP, SP, EP, ETP, CP and pipeline transfers are exposed; data-parallel ones hide
