@@ -223,6 +223,8 @@ def _group_span(par: ParallelConfig, dim: str) -> tuple[int, int]:
 
 def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0) -> dict[str, float]:
     """Bytes per rank by part (weights, grads, optimizer, activations, buffers) and their total.
+    `cfg` gives the model and the batch; the parallel layout, accumulation and checkpointing are
+    `layout`'s (cfg's own are not read, so cfg need not be `layout_config(cfg, layout)`).
     `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced)."""
     t, par = cfg.train, layout.parallel
     act_bytes = _activation_bytes(cfg)
@@ -434,7 +436,7 @@ def _candidates(cfg: Config, layouts: list[Layout], gpus: int, budget: float,
         lo, hi = 0, len(group)
         while lo < hi:
             mid = (lo + hi) // 2
-            mem = predict_memory(layout_config(cfg, group[mid]), group[mid], expert_imbalance=imbalance)
+            mem = predict_memory(cfg, group[mid], expert_imbalance=imbalance)
             if mem["total"] <= budget:
                 hi = mid
             else:
