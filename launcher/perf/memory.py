@@ -28,6 +28,7 @@ included (the planner adds the buffers).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from moetron.launcher.perf.flops import (
     layer_counts,
@@ -129,16 +130,15 @@ def microbatches_in_flight(par: ParallelConfig) -> int:
 def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float]:
     """(parameters whose weights and grads the most loaded rank keeps, parameters whose optimizer
     state it keeps); see the module docstring for the split by dp_mode."""
-    expert, mtp_expert = matmul_params(cfg, active=False)["experts"], params_mtp_experts(cfg)
+    total, embedding, expert, mtp, mtp_expert = _parameter_counts(cfg)
     head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
-    mtp = params_mtp(cfg)
-    stage_layers = (params_total(cfg) - params_embedding(cfg) - expert - head - mtp) / par.pp
+    stage_layers = (total - embedding - expert - head - mtp) / par.pp
     # The last stage's MTP modules; under pp > 1 with their copy of the embedding.
-    tail = head + (mtp - mtp_expert) + (params_embedding(cfg) if mtp and par.pp > 1 else 0)
+    tail = head + (mtp - mtp_expert) + (embedding if mtp and par.pp > 1 else 0)
     if par.pp == 1:
-        dense_rank = stage_layers + params_embedding(cfg) + tail
+        dense_rank = stage_layers + embedding + tail
     else:
-        dense_rank = stage_layers + max(params_embedding(cfg), tail)
+        dense_rank = stage_layers + max(embedding, tail)
     dense_rank /= par.tp
     expert_rank = (expert / par.pp + mtp_expert) / (par.ep * par.etp)
     shard, cp = par.shard_group, par.cp
@@ -148,6 +148,14 @@ def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float
     if par.dp_mode == "zero1":
         return held, dense_rank / (par.dp * cp) + expert_rank / (max(par.dp // par.ep, 1) * cp)
     return held, held
+
+
+@lru_cache(maxsize=8)
+def _parameter_counts(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
+    """(all, embedding, routed experts, MTP modules, MTP's routed experts) parameters of `cfg`:
+    counted once per model, as the planner asks `parameters_held` of ~10^5 layouts of one."""
+    return (params_total(cfg), params_embedding(cfg), matmul_params(cfg, active=False)["experts"], params_mtp(cfg),
+            params_mtp_experts(cfg))
 
 
 def activation_bytes_held(cfg: ModelConfig, par: ParallelConfig, *, seq_len: int, micro_batch: int,

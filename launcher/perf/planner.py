@@ -204,21 +204,18 @@ def is_valid(full: Config, gpus: int) -> bool:
     return True
 
 
-def _group_span(par: ParallelConfig, dim: str) -> tuple[int, int]:
-    """(ranks in the group, consecutive ranks it spans) of a mesh dimension or flattened group."""
+def _group_spans(par: ParallelConfig) -> dict[str, tuple[int, int]]:
+    """{mesh dimension or flattened group: (ranks in the group, consecutive ranks it spans)}."""
     sizes = dict(zip(MESH_DIMS, mesh_shape(par)))
-    stride = {d: math.prod(sizes[e] for e in MESH_DIMS[i + 1:]) for i, d in enumerate(MESH_DIMS)}
-    if dim == "world":
-        return par.world_size, par.world_size
-    if dim == "dp":  # the ranks of one copy of the weights: rep × edps × cp × ep, tp innermost
-        n = par.dp * par.cp
-        return n, n * par.tp
-    if dim == "dp_shard":  # HSDP's shard group: edps × cp × ep
-        n = par.shard_group * par.cp
-        return n, n * par.tp
-    if dim == "dp_rep":  # HSDP's replicas, one per shard group: spread over the whole stage
-        return par.dp // par.shard_group, par.world_size // par.pp
-    return sizes[dim], sizes[dim] * stride[dim]
+    spans = {d: (sizes[d], sizes[d] * math.prod(sizes[e] for e in MESH_DIMS[i + 1:])) for i, d in enumerate(MESH_DIMS)}
+    spans["world"] = par.world_size, par.world_size
+    # the ranks of one copy of the weights: rep × edps × cp × ep, tp innermost
+    spans["dp"] = par.dp * par.cp, par.dp * par.cp * par.tp
+    # HSDP's shard group: edps × cp × ep
+    spans["dp_shard"] = par.shard_group * par.cp, par.shard_group * par.cp * par.tp
+    # HSDP's replicas, one per shard group: spread over the whole stage
+    spans["dp_rep"] = par.dp // par.shard_group, par.world_size // par.pp
+    return spans
 
 
 def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0) -> dict[str, float]:
@@ -308,7 +305,7 @@ def _communication(cfg: Config, layout: Layout, profile: DeviceProfile, *, gpus_
                          act_bytes=_activation_bytes(cfg))
     world = par.world_size
     out = PricedComm()
-    spans = {dim: _group_span(par, dim) for dim in set(PURPOSE_DIM.values())}
+    spans = _group_spans(par)
     for item in items:
         dim = PURPOSE_DIM.get(item.purpose.split()[0].lower(), "world")
         n, span = spans[dim]
