@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Protocol
 
 from moetron.launcher.config import ConfigError
 from moetron.launcher.data.corpus import stdlib_documents

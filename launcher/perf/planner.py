@@ -39,8 +39,8 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from moetron.launcher.config import Config, ConfigError, validate, validate_launch
 from moetron.launcher.perf.comm_volume import predict_step
