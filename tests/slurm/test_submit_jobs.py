@@ -255,9 +255,10 @@ def test_time_limit_checkpoints_requeues_and_resumes(reference, env, workdir):
     # once its ranks train (so there is a checkpoint to resume from): with --signal-seconds 150 it
     # is warned at the very next look, 0–30 s later (rather than 30–60 s after the start of a job
     # submitted with 2 minutes and 60 s), and a slow machine still has minutes to checkpoint. The
-    # run must outlast that look: each of its steps is followed by a pause (tests/slurm/paced), so
-    # it lasts over STEPS_TIMED × STEP_PAUSE = 60 s on any machine while its ranks idle, and the
-    # uninterrupted reference trains the same steps without pauses, on one CPU, at the same time.
+    # run must outlast that look: each step of its first attempt is followed by a pause
+    # (tests/slurm/paced), so that attempt could last STEPS_TIMED × STEP_PAUSE = 60 s on any machine
+    # while its ranks idle; the requeued attempt trains unpaused, and the uninterrupted reference
+    # trains the same steps without pauses, on one CPU, at the same time.
     reference.wait_until_gone()
     overrides = TINY + [f"train.steps={STEPS_TIMED}", "train.log_every=25", f"train.eval_every={STEPS_TIMED}"]
     job = Job("timed", overrides, ["--time", "10", "--signal-seconds", "150", "--requeue-limit", "3"], paced(env),

@@ -1,6 +1,7 @@
 """Put on PYTHONPATH, every optimizer step of the process is followed by a pause of
-MOETRON_TEST_STEP_PAUSE seconds: a job that must outlast one of Slurm's 30-s looks lasts as long as
-its steps times the pause, on any machine, and leaves the CPU to the other tests while it waits.
+MOETRON_TEST_STEP_PAUSE seconds, in a Slurm job's first attempt only: a job that must outlast one of
+Slurm's 30-s looks lasts as long as its steps times the pause, on any machine, and leaves the CPU to
+the other tests while it waits; once requeued it runs its remaining steps unpaused.
 
 The pause is a global optimizer-step hook of torch (it changes no number the step computes),
 registered when torch.optim.optimizer is first imported, so a process that never imports torch
@@ -34,5 +35,7 @@ class _PauseAfterOptimizerSteps(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("MOETRON_TEST_STEP_PAUSE"):
+# A requeued attempt (Slurm counts the restarts) needs only to finish: pausing it would keep the
+# test waiting on steps that test nothing.
+if os.environ.get("MOETRON_TEST_STEP_PAUSE") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
     sys.meta_path.insert(0, _PauseAfterOptimizerSteps(float(os.environ["MOETRON_TEST_STEP_PAUSE"])))
