@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 from moetron.model.config import ModelConfig
 
@@ -259,6 +260,22 @@ def params_mtp(cfg: ModelConfig) -> int:
 def params_mtp_experts(cfg: ModelConfig) -> int:
     """The routed-expert weights (all E) among `params_mtp`: what expert parallelism splits."""
     return sum(matmul_params(_mtp_block(cfg, i), active=False)["experts"] for i in _mtp_layers(cfg))
+
+
+class ParameterCounts(NamedTuple):
+    total: int  # params_total
+    embedding: int  # params_embedding
+    experts: int  # the decoder's routed-expert weights, all E
+    mtp: int  # params_mtp
+    mtp_experts: int  # params_mtp_experts
+
+
+@functools.lru_cache(maxsize=64)
+def parameter_counts(cfg: ModelConfig) -> ParameterCounts:
+    """The counts the memory model splits over a layout; cached, as the layout planner asks for
+    them once per memory estimate, ~10^5 times for one model."""
+    return ParameterCounts(params_total(cfg), params_embedding(cfg), matmul_params(cfg, active=False)["experts"],
+                           params_mtp(cfg), params_mtp_experts(cfg))
 
 
 def mtp_flops_per_token(cfg: ModelConfig, seq_len: int, *, causal: bool = False) -> int:

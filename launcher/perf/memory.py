@@ -28,16 +28,8 @@ included (the planner adds the buffers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
-from moetron.launcher.perf.flops import (
-    layer_counts,
-    matmul_params,
-    params_embedding,
-    params_mtp,
-    params_mtp_experts,
-    params_total,
-)
+from moetron.launcher.perf.flops import layer_counts, parameter_counts
 from moetron.model.config import ModelConfig
 from moetron.parallel.config import ParallelConfig
 
@@ -130,7 +122,7 @@ def microbatches_in_flight(par: ParallelConfig) -> int:
 def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float]:
     """(parameters whose weights and grads the most loaded rank keeps, parameters whose optimizer
     state it keeps); see the module docstring for the split by dp_mode."""
-    total, embedding, expert, mtp, mtp_expert = _parameter_counts(cfg)
+    total, embedding, expert, mtp, mtp_expert = parameter_counts(cfg)
     head = 0 if cfg.tie_embeddings else cfg.d_model * cfg.vocab_size
     stage_layers = (total - embedding - expert - head - mtp) / par.pp
     # The last stage's MTP modules; under pp > 1 with their copy of the embedding.
@@ -148,14 +140,6 @@ def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float
     if par.dp_mode == "zero1":
         return held, dense_rank / (par.dp * cp) + expert_rank / (max(par.dp // par.ep, 1) * cp)
     return held, held
-
-
-@lru_cache(maxsize=8)
-def _parameter_counts(cfg: ModelConfig) -> tuple[int, int, int, int, int]:
-    """(all, embedding, routed experts, MTP modules, MTP's routed experts) parameters of `cfg`:
-    counted once per model, as the planner asks `parameters_held` of ~10^5 layouts of one."""
-    return (params_total(cfg), params_embedding(cfg), matmul_params(cfg, active=False)["experts"], params_mtp(cfg),
-            params_mtp_experts(cfg))
 
 
 def activation_bytes_held(cfg: ModelConfig, par: ParallelConfig, *, seq_len: int, micro_batch: int,

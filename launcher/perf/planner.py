@@ -49,10 +49,7 @@ from moetron.launcher.perf.flops import (
     flops_by_component,
     flops_per_token,
     layer_counts,
-    matmul_params,
-    params_embedding,
-    params_mtp,
-    params_total,
+    parameter_counts,
 )
 from moetron.launcher.perf.memory import busiest_rank_imbalance, memory_per_rank
 from moetron.parallel.config import ParallelConfig
@@ -364,10 +361,10 @@ def _memory_bound_bytes(cfg: Config, par: ParallelConfig, rank_tokens: float, ac
 @functools.lru_cache(maxsize=16)
 def _block_params(m) -> tuple[float, float]:
     """(parameters of one block outside the routed experts, routed-expert parameters of one MoE block)."""
-    experts = matmul_params(m, active=False)["experts"]
+    counts = parameter_counts(m)
     _, n_moe = layer_counts(m)
-    dense = (params_total(m) - params_embedding(m) - experts - params_mtp(m)) / m.n_layers  # the decoder's blocks
-    return dense, experts / max(n_moe, 1)
+    dense = (counts.total - counts.embedding - counts.experts - counts.mtp) / m.n_layers  # the decoder's blocks
+    return dense, counts.experts / max(n_moe, 1)
 
 
 def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, imbalance: float = 1.0) -> float:
