@@ -6,7 +6,7 @@ turn here, rank 0 printing one JSON line per item for the launching process to r
 from __future__ import annotations
 
 import json
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 

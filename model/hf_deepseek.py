@@ -44,7 +44,8 @@ tensor mapping sees the ModelConfig alone, which does not record the layout.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -26,7 +26,8 @@ down_proj likewise over F; they are dequantized on load (`dequantize_mxfp4`). Ex
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 

@@ -34,7 +34,7 @@ alone: absolute positions (learned, sinusoidal) entered h^0 already.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

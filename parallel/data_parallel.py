@@ -26,7 +26,7 @@ the embedding, and the final norm with the head; the whole stage module is the r
 from __future__ import annotations
 
 import math
-from typing import Collection, Iterable
+from collections.abc import Collection, Iterable
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,7 @@ the whole world gives every rank the same loads, hence the same biases as one pr
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

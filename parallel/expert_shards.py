@@ -8,8 +8,8 @@ that checkpoints name the full tensor on every layout (launcher/checkpoint/state
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 import torch.distributed as dist

@@ -14,8 +14,8 @@ time, and the result is bit-identical to the single-process init on every layout
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import chain
-from typing import Callable
 
 import torch
 from torch import nn

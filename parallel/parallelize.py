@@ -18,9 +18,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -37,13 +37,12 @@ evaluation it returns the main logits alone.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -51,6 +50,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
 )
+from torch.distributed.tensor import DTensor
 
 from moetron.model.mtp import mtp_cross_entropy
 from moetron.model.transformer import Decoder, ModelOutput

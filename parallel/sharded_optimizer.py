@@ -22,8 +22,8 @@ layout (and any layout's into zero1) by the same parameter names.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.distributed as dist

@@ -22,8 +22,9 @@ import hashlib
 import io
 import json
 import pickle
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader

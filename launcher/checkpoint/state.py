@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import random
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -40,9 +40,10 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Callable, Mapping, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 # Slurm ports are derived from the job id so that every rank finds the same one with no
 # communication; the range stays below Linux's ephemeral ports (32768+).

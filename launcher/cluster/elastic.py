@@ -30,8 +30,9 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Optional
 
 
 def restart_problem(env: Optional[Mapping[str, str]] = None) -> Optional[str]:

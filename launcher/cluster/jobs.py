@@ -13,9 +13,10 @@ import json
 import re
 import shlex
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 from moetron.launcher.cluster.submit import SCRIPT, SLURM_FOLDER, SlurmError, recorded_jobs, slurm_command
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Mapping, Sequence
 from importlib import resources
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([a-z_]+)\s*\}\}")
 

@@ -13,9 +13,9 @@ import json
 import os
 import sysconfig
 import zlib
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch

@@ -21,8 +21,8 @@ import itertools
 import multiprocessing
 import os
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
-from typing import Iterable, Iterator
 
 import numpy as np
 

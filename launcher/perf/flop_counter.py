@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -19,8 +19,8 @@ The writing itself (atomic, verified, async, kept K deep) is `store.Checkpointer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from torch import nn

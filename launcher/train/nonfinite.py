@@ -11,9 +11,9 @@ non-finite, and the last good checkpoint.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.distributed as dist

@@ -13,7 +13,8 @@ Every rank makes the same calls (evaluation is a collective); only rank 0's Metr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
