@@ -16,6 +16,12 @@ BASE_PYTHON ?= python3
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
+# pip installs torch, since a machine's pip configuration may name a local folder holding its CPU build;
+# uv installs everything else: it resolves, downloads, unpacks and byte-compiles in parallel (`make setup-test`
+# took 48 s on 2 cores with empty caches, 96 s with pip alone) and installs the same versions.
+UV := $(VENV)/bin/uv
+UV_VERSION ?= uv==0.13.10
+UV_PIP := $(UV) pip install --quiet --compile-bytecode --python $(PYTHON)
 # The CPU build of torch for machines without a GPU; clusters install their CUDA build first.
 TORCH ?= torch==2.13.0
 # Versions the suite last passed with, so a new release elsewhere cannot turn a fresh install red.
@@ -31,14 +37,17 @@ TEST_WORKERS ?= 2
 $(VENV)/bin/pip:
 	@$(BASE_PYTHON) -m venv $(VENV) || { echo "make: '$(BASE_PYTHON) -m venv $(VENV)' failed; on Debian install python3-venv (apt-get install python3-venv) and run make again" >&2; exit 1; }
 
-setup: $(VENV)/bin/pip
+$(UV): $(VENV)/bin/pip
+	$(PIP) '$(UV_VERSION)'
+
+setup: $(UV)
 	$(PIP) $(TORCH)
-	$(PIP) $(UPGRADE) $(CONSTRAINTS) -e '.[dev]' $(TORCH)
+	$(UV_PIP) $(UPGRADE) $(CONSTRAINTS) -e '.[dev]' $(TORCH)
 
 setup-test: setup
-	$(PIP) $(UPGRADE) $(CONSTRAINTS) -e '.[dev]' 'transformers>=4.46' 'megatron-core>=0.12,<0.17' $(TORCH)
+	$(UV_PIP) $(UPGRADE) $(CONSTRAINTS) -e '.[dev]' 'transformers>=4.46' 'megatron-core>=0.12,<0.17' $(TORCH)
 	# DeepSpeed's own build environment would pull a CUDA torch; build against the installed one.
-	DS_BUILD_OPS=0 $(PIP) $(UPGRADE) $(CONSTRAINTS) --no-build-isolation 'deepspeed>=0.16' $(TORCH)
+	DS_BUILD_OPS=0 $(UV_PIP) $(UPGRADE) $(CONSTRAINTS) --no-build-isolation 'deepspeed>=0.16' $(TORCH)
 	bash slurm/install.sh
 
 train: setup
@@ -53,7 +62,7 @@ stop:
 	bash slurm/stop.sh
 
 test-latest:
-	$(MAKE) test CONSTRAINTS= UPGRADE='--upgrade --upgrade-strategy eager'
+	$(MAKE) test CONSTRAINTS= UPGRADE=--upgrade
 
 constraints:
 	$(PYTHON) .ci/freeze.py > constraints.txt

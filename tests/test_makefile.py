@@ -57,8 +57,12 @@ def test_train_and_test_install_into_the_venv_and_run_only_its_python():
     strays = [line for line in python if ".venv/bin/python " not in line]
     assert not strays, f"commands that would not run .venv/bin/python: {strays}"
     pips = [line for line in python if " -m pip install " in line]
-    assert pips[0].endswith("pip install --quiet --disable-pip-version-check torch==2.13.0"), pips[0]
-    [deepspeed] = [line for line in pips if "deepspeed" in line]
+    assert [line.rsplit(" ", 1)[1] for line in pips] == ["'uv==0.13.10'", "torch==2.13.0"], pips
+    # uv installs the rest into the same interpreter, after torch, which every install pins.
+    uvs = [line for line in python if " pip install " in line and line not in pips]
+    assert uvs and lines.index(pips[1]) < lines.index(uvs[0]), uvs
+    assert all(" --python .venv/bin/python " in line and line.endswith(" torch==2.13.0") for line in uvs), uvs
+    [deepspeed] = [line for line in uvs if "deepspeed" in line]
     assert deepspeed.startswith("DS_BUILD_OPS=0 ") and "--no-build-isolation" in deepspeed
     assert "bash slurm/run_then_stop.sh .venv/bin/python -m pytest -q -n 2 --dist loadgroup --durations=25" in lines
     assert ".venv/bin/python -m moetron train configs/tiny.yaml" in lines
