@@ -21,7 +21,9 @@ PIP := $(PYTHON) -m pip install --quiet --disable-pip-version-check
 # took 48 s on 2 cores with empty caches, 96 s with pip alone) and installs the same versions.
 UV := $(VENV)/bin/uv
 UV_VERSION ?= uv==0.13.10
-UV_PIP := $(UV) pip install --quiet --compile-bytecode --python $(PYTHON)
+# --system-certs: trust the machine's certificate store, as pip does (a registry behind a proxy with its own
+# certificate authority is refused otherwise).
+UV_PIP := $(UV) pip install --quiet --compile-bytecode --system-certs --python $(PYTHON)
 # The CPU build of torch for machines without a GPU; clusters install their CUDA build first.
 TORCH ?= torch==2.13.0
 # Versions the suite last passed with, so a new release elsewhere cannot turn a fresh install red.
