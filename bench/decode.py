@@ -130,7 +130,7 @@ def measure(model, n: int, steps: int, rounds: int, seed: int) -> dict:
     for _ in range(rounds):
         runs_c.append(decode_cached(model, prompt_1S, steps))
         runs_r.append(decode_recompute(model, prompt_1S, steps))
-    (ids_c, logits_c, _), (ids_r, logits_r, _) = runs_c[0], runs_r[0]
+    (ids_c, logits_c, _), (_, logits_r, _) = runs_c[0], runs_r[0]
     cached = statistics.median(map(min, zip(*(run[2] for run in runs_c))))
     recompute = statistics.median(map(min, zip(*(run[2] for run in runs_r))))
     contexts = range(n + 1, n + steps)

@@ -66,7 +66,7 @@ def _norm_params(cfg: ModelConfig) -> int:
 def matmul_params(cfg: ModelConfig, *, active: bool = True) -> dict[str, int]:
     """Weights of the matmuls per component, summed over layers. `active`: the K routed experts
     one token passes through; otherwise all E experts. Attention scores have no weights (0)."""
-    D, H, G, Dh = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.dim_head
+    D = cfg.d_model
     n_dense, n_moe = layer_counts(cfg)
     mats, moe = _ffn_matrices(cfg), cfg.moe
     experts = moe.top_k if active else moe.num_experts
