@@ -51,8 +51,13 @@ import torch
 import triton
 import triton.language as tl
 
-from moetron.kernels.attention_tiles import (SHIPPED_CONFIGS, AttnConfig, AttnConfigs, attention_configs,
-                                             head_dim_constexprs)
+from moetron.kernels.attention_tiles import (
+    SHIPPED_CONFIGS,
+    AttnConfig,
+    AttnConfigs,
+    attention_configs,
+    head_dim_constexprs,
+)
 from moetron.kernels.backend import device_guard, upcast
 from moetron.kernels.kernel_spec import KernelSpec
 

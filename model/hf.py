@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from moetron.model.config import ModelConfig, MoEConfig
-from moetron.model.hf_files import HFFolder, shard_names, shard_plan, write_index, write_shard
 from moetron.model.hf_families import (
     ARCHITECTURES,
     BY_QK_NORM,
@@ -44,6 +43,7 @@ from moetron.model.hf_families import (
     family_problems,
     rope_from_hf,
 )
+from moetron.model.hf_files import HFFolder, shard_names, shard_plan, write_index, write_shard
 from moetron.model.transformer import Decoder
 
 CONFIG_FILE = "config.json"

@@ -26,16 +26,16 @@ import torch.nn.functional as F
 
 from moetron.launcher.checkpoint.store import load_checkpoint
 from moetron.launcher.cluster.bootstrap import RankInfo, detect_rank, init_distributed, shutdown
+from moetron.launcher.cluster.elastic import job_identity
 from moetron.launcher.config import Config, sequences_per_micro_batch, validate_launch
 from moetron.launcher.data.blend import BlendSampler, blend_sampler, blend_validation_batches
 from moetron.launcher.data.corpus import TokenData
 from moetron.launcher.data.mlm import MaskedLM
-from moetron.launcher.cluster.elastic import job_identity
 from moetron.launcher.run_dir import RunDir, RunError, open_run_dir, write_run_dir
 from moetron.launcher.train.checkpointer import CheckpointManager
 from moetron.launcher.train.dashboards import start_run_dashboards
-from moetron.launcher.train.layout_log import change_line, record_start
 from moetron.launcher.train.device import check_fp8, resolve_device, use_bf16
+from moetron.launcher.train.layout_log import change_line, record_start
 from moetron.launcher.train.metrics import MetricsLogger
 from moetron.launcher.train.nonfinite import NonFiniteError, SkipGuard, diagnose, is_finite, stop_message
 from moetron.launcher.train.optim import lr_at, optimizer_for, set_lr

@@ -271,8 +271,6 @@ def test_malicious_metadata_pickle_is_refused(tmp_path):
 
 def test_malicious_entry_inside_a_shard_is_refused(tmp_path):
     """DCP reads non-tensor entries with torch.load(weights_only=False); ours with weights_only=True."""
-    model, opt = make()
-    ckpt = save_checkpoint(tmp_path, 1, model, opt, {"step": 1})
     model2, opt2 = make()
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from elastic_recovery import kill_tree, losses  # noqa: E402  (the bench kills and reads runs the same way)
+
 WORKER = Path(__file__).with_name("elastic_worker.py")
 STEPS = 10
 # A global batch of 12 rows divides among 1, 2, 3 and 4 ranks; a checkpoint every 2 steps.
