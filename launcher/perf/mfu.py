@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from moetron.launcher.perf.device_profiles import GPU_BF16_DENSE_TFLOPS
-from moetron.launcher.perf.flops import accounting, flops_per_token
+from moetron.launcher.perf.flops import accounting, flops_per_token, human
 from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig
 
@@ -144,10 +144,12 @@ def cpu_peak(*, directory: Path | None = None, measure: Callable[..., float] = t
     """This CPU's peak by PEAK_DEFINITION at the current thread count: the faster of PEAK_DTYPES."""
     rates = {dtype: cpu_matmul_peak(dtype, directory=directory, measure=measure) for dtype in PEAK_DTYPES}
     best = max(rates, key=lambda dtype: rates[dtype][0])
-    each = ", ".join(f"{str(d).removeprefix('torch.')} {flops / 1e9:.3g}" for d, (flops, _) in rates.items())
+    # Decimal prefixes, not 3 significant digits of GFLOP/s: an AMX core's bf16 (~1.9e12) would print
+    # in exponent notation on the console.
+    each = ", ".join(f"{str(d).removeprefix('torch.')} {human(flops, 'FLOP/s')}" for d, (flops, _) in rates.items())
     where = "cached" if all(cached for _, cached in rates.values()) else "measured now"
     return Peak(rates[best][0], f"CPU dense matmul at {torch.get_num_threads()} threads, the faster of "
-                                f"{each} GFLOP/s ({where}, {_peak_file(directory)})")
+                                f"{each} ({where}, {_peak_file(directory)})")
 
 
 def gpu_peak(device_name: str) -> Peak:
