@@ -147,11 +147,11 @@ def print_plan(cfg, args, profile, result, shown) -> None:
     for i, p in shown[:args.top]:
         m = p.memory
         parts = "+".join(f"{m[k] / gib:.1f}" for k in ("weights", "grads", "optimizer", "activations", "buffers"))
-        table.add_row(str(i), p.layout.label(), f"{p.step_s:.3g}", display.tokens_per_s(p.tokens_per_s),
+        table.add_row(str(i), p.layout.label(), display.significant(p.step_s), display.tokens_per_s(p.tokens_per_s),
                       display.mfu(p.mfu),
                       f"{m['total'] / gib:.1f} = {parts}",
                       f"{p.link_bytes['intra'] / 1e9:.2f} | {p.link_bytes['inter'] / 1e9:.2f}",
-                      f"{p.times['comm_exposed']:.3g}", f"{p.bubble:.1%}")
+                      display.significant(p.times['comm_exposed']), f"{p.bubble:.1%}")
     console.print(table)
     best = result.ranked[0]
     console.print("best as overrides: " + " ".join(best.layout.overrides()))

@@ -85,6 +85,7 @@ def _auto_layout(args, info) -> tuple[list[str], dict]:
     import sys
 
     from moetron.launcher.config import ConfigError
+    from moetron.launcher.perf import display
     from moetron.launcher.perf.planner import choose_layout
 
     profile = args.gpu or _this_device()
@@ -106,7 +107,7 @@ def _auto_layout(args, info) -> tuple[list[str], dict]:
               "memory_gib": best.memory["total"] / 2**30}
     if info.is_main:
         print(f"--layout auto on {info.world_size} × {profile}: {best.layout.label()} ({' '.join(best.layout.overrides())}); "
-              f"predicted {best.step_s:.3g} s/step, {choice['memory_gib']:.2f} GiB per rank", file=sys.stderr)
+              f"predicted {display.significant(best.step_s)} s/step, {choice['memory_gib']:.2f} GiB per rank", file=sys.stderr)
     return [*args.overrides, *kept, *best.layout.overrides()], choice
 
 

@@ -45,6 +45,7 @@ import torch.multiprocessing as mp
 
 from moetron.launcher.config import ConfigError
 from moetron.launcher.perf.device_profiles import PEAK_DEFINITION, DeviceProfile, profile_cache, save_profile
+from moetron.launcher.perf.display import significant
 from moetron.launcher.perf.mfu import PEAK_DTYPES, store_cpu_matmul_peak, sweep_matmul_peak, time_matmul
 
 SMALL_BYTES, LARGE_BYTES = 4096, 16 * 2**20
@@ -225,7 +226,7 @@ def spread_table(stats: dict[str, dict[str, float]], max_spread: float = MAX_SPR
     lines = [f"  {'':<{width}} {'best':>8} {'min':>8} {'median':>8} {'max':>8}  spread (max/min)"]
     for name, (_, scale, _, _) in QUANTITIES.items():
         s = stats[name]
-        cells = " ".join(f"{s[k] / scale:>8.3g}" for k in ("best", "min", "median", "max"))
+        cells = " ".join(f"{significant(s[k] / scale):>8}" for k in ("best", "min", "median", "max"))
         gated = f", at most {max_spread:g}" if name in GATED else ""
         lines.append(f"  {labels[name]:<{width}} {cells}  {s['spread']:.2f}{gated}")
     return lines
@@ -256,7 +257,7 @@ def calibrate(*, ranks: int = 4, path: Path | None = None, repeats: int = REPEAT
     profile = _profile(stats, result.dtype_peaks, ranks, repeats)
     stored = save_profile(profile, path)
     peaks_file = store_cpu_matmul_peak(result.dtype_peaks, threads=1, directory=path.parent)
-    console(f"stored the cpu profile in {stored}, and its MFU peak ({profile.peak_flops / 1e9:.3g} GFLOP/s "
+    console(f"stored the cpu profile in {stored}, and its MFU peak ({significant(profile.peak_flops / 1e9)} GFLOP/s "
             f"per one-thread rank) in {peaks_file}")
     return profile, stored
 
@@ -266,7 +267,7 @@ def _refusal(noisy: list[str], stats: dict, repeats: int, max_spread: float) -> 
     for name in noisy:
         _, scale, unit, label = QUANTITIES[name]
         s = stats[name]
-        parts.append(f"{label} ranged {s['min'] / scale:.3g}-{s['max'] / scale:.3g} {unit} "
+        parts.append(f"{label} ranged {significant(s['min'] / scale)}-{significant(s['max'] / scale)} {unit} "
                      f"(max/min {s['spread']:.2f}, more than {max_spread:g})")
     return (f"calibration refused, nothing stored: over {repeats} repeats the {'; the '.join(parts)}. Something "
             "else was using the CPU; rerun `moetron plan --calibrate` on a quiet machine")
@@ -291,5 +292,5 @@ def _profile(stats: dict, dtype_peaks: dict[str, float], ranks: int, repeats: in
 
 
 def _dtype_note(dtype_peaks: dict[str, float]) -> str:
-    return ", ".join(f"{d.removeprefix('torch.')} {v / 1e9:.3g} GFLOP/s" for d, v in dtype_peaks.items()) + \
+    return ", ".join(f"{d.removeprefix('torch.')} {significant(v / 1e9)} GFLOP/s" for d, v in dtype_peaks.items()) + \
         " for one rank alone with one thread"

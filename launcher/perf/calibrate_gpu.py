@@ -25,6 +25,7 @@ import torch
 from moetron.launcher.config import ConfigError
 from moetron.launcher.perf.calibrate import block_step, to_stderr
 from moetron.launcher.perf.device_profiles import PROFILES, DeviceProfile, gpu_profile_cache, save_profile
+from moetron.launcher.perf.display import significant
 
 MATMUL_SHAPES = ((8192, 4096, 14336), (8192, 14336, 4096))
 COPY_BYTES = 2**30
@@ -86,7 +87,7 @@ def calibrate_gpu(device: torch.device, *, base: DeviceProfile | None = None, pa
         sources={**base.sources, "calibrated": f"matmul_efficiency, hbm_bw and block_overhead measured on "
                                                f"{device_name} by moetron plan --calibrate; the rest: {base.name}"})
     stored = save_profile(profile, path or gpu_profile_cache())
-    console(f"matmul {got['matmul_rate'] / 1e12:.3g} TFLOP/s ({profile.matmul_efficiency:.0%} of the "
-            f"{base.peak_flops / 1e12:.0f} TFLOP/s peak), copy {got['hbm_bw'] / 1e12:.3g} TB/s, block overhead "
+    console(f"matmul {significant(got['matmul_rate'] / 1e12)} TFLOP/s ({profile.matmul_efficiency:.0%} of the "
+            f"{base.peak_flops / 1e12:.0f} TFLOP/s peak), copy {significant(got['hbm_bw'] / 1e12)} TB/s, block overhead "
             f"{got['block_overhead'] * 1e3:.2f} ms; stored in {stored} (moetron plan --gpu gpu)")
     return profile, stored

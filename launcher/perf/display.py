@@ -1,11 +1,14 @@
 """How throughput and MFU read on a console: one format each, wherever moetron prints them.
 
 Tokens/s is a whole number with thousands separators and its unit (`9,768 tok/s`); MFU is a
-percentage with one decimal (`26.0%`). Only what people read goes through here: metrics.jsonl and
+percentage with one decimal (`26.0%`); any other measured number has three significant digits and
+no exponent (`1,872` GFLOP/s, `24.5`, `0.0123`). Only what people read goes through here: metrics.jsonl and
 TensorBoard keep the raw numbers (tokens/s as a float, MFU as a fraction of the peak).
 """
 
 from __future__ import annotations
+
+import math
 
 
 def tokens_per_s(rate: float) -> str:
@@ -16,3 +19,14 @@ def tokens_per_s(rate: float) -> str:
 def mfu(fraction: float) -> str:
     """0.26 → '26.0%' (MFU is computed and stored as a fraction of the device's peak)."""
     return f"{fraction:.1%}"
+
+
+def significant(value: float, digits: int = 3) -> str:
+    """1872.4 → '1,872', 24.51 → '24.5', 0.5 → '0.5', 1.2345e-5 → '0.0000123': Python's `:.3g`, except
+    where that would print an exponent (1.87e+03): a whole number then, or the decimals it needs."""
+    text = f"{value:.{digits}g}"
+    if "e" not in text:
+        return text
+    if abs(value) >= 1:
+        return f"{value:,.0f}"
+    return f"{value:.{digits - 1 - math.floor(math.log10(abs(value)))}f}"

@@ -33,6 +33,15 @@ def test_mfu_is_a_percentage_with_one_decimal(fraction, shown):
     assert display.mfu(fraction) == shown
 
 
+@pytest.mark.parametrize("value, shown", [(1872.4, "1,872"), (999.6, "1,000"), (183.2, "183"), (24.51, "24.5"),
+                                          (0.5, "0.5"), (0.012345, "0.0123"), (1.2345e-5, "0.0000123"), (0.0, "0")])
+def test_other_numbers_have_three_significant_digits_and_no_exponent(value, shown):
+    """Python's `:.3g` where it prints no exponent (as 1.87e+03 GFLOP/s, an AMX core's bf16 peak)."""
+    assert display.significant(value) == shown
+    if "e" not in f"{value:.3g}":
+        assert shown == f"{value:.3g}"
+
+
 def test_a_training_log_line_uses_both_formats():
     stream = io.StringIO()
     with Progress(total=10, stream=stream) as progress:

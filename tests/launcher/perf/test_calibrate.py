@@ -67,6 +67,21 @@ def test_a_quiet_calibration_stores_the_best_of_each_repeat_and_prints_where(tmp
     assert profile.block_overhead == pytest.approx(1.2e-3)
 
 
+def test_an_amx_core_s_teraflops_print_without_an_exponent(tmp_path):
+    """With AMX a core's bf16 matmul passes 1 TFLOP/s: the table, the stored peak's line and its
+    source print 1,870 GFLOP/s, never 1.87e+03."""
+    fast = [{**sample, "peak": 1.87e12, "matmul_rate": 1.2e12 * (1 + r / 100)} for r, sample in enumerate(repeats({}))]
+    measure, _ = fixed(fast, {"torch.bfloat16": 1.87e12, "torch.float32": 1.83e11})
+    lines = []
+    profile, _ = calibrate(ranks=4, path=tmp_path / "plan_profile.json", measure=measure, console=lines.append)
+    printed = "\n".join(lines)
+    [row] = [line for line in lines if "peak matmul" in line]
+    assert row.split()[5:9] == ["1,870"] * 4, row
+    assert "its MFU peak (1,870 GFLOP/s per one-thread rank)" in printed
+    assert "bfloat16 1,870 GFLOP/s, float32 183 GFLOP/s" in profile.sources["peak_flops"]
+    assert "e+" not in printed, printed
+
+
 def test_a_noisy_calibration_is_refused_and_stores_nothing(tmp_path):
     # Two calibrations under different load once differed 4x in matmul efficiency (0.12 vs 0.49);
     # here both loads fall inside one calibration's repeats.
