@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 
 from moetron.launcher.config import ConfigError
 from moetron.launcher.perf.device_profiles import PEAK_DEFINITION, DeviceProfile, profile_cache, save_profile
-from moetron.launcher.perf.display import significant
+from moetron.launcher.perf.display import gflops_by_dtype, significant
 from moetron.launcher.perf.mfu import PEAK_DTYPES, store_cpu_matmul_peak, sweep_matmul_peak, time_matmul
 
 SMALL_BYTES, LARGE_BYTES = 4096, 16 * 2**20
@@ -292,5 +292,4 @@ def _profile(stats: dict, dtype_peaks: dict[str, float], ranks: int, repeats: in
 
 
 def _dtype_note(dtype_peaks: dict[str, float]) -> str:
-    return ", ".join(f"{d.removeprefix('torch.')} {significant(v / 1e9)} GFLOP/s" for d, v in dtype_peaks.items()) + \
-        " for one rank alone with one thread"
+    return gflops_by_dtype(dtype_peaks) + " for one rank alone with one thread"

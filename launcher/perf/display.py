@@ -30,3 +30,8 @@ def significant(value: float, digits: int = 3) -> str:
     if abs(value) >= 1:
         return f"{value:,.0f}"
     return f"{value:.{digits - 1 - math.floor(math.log10(abs(value)))}f}"
+
+
+def gflops_by_dtype(rates: dict[str, float]) -> str:
+    """{"torch.bfloat16": 1.87e12, "torch.float32": 1.83e11} (FLOP/s) → 'bfloat16 1,870 GFLOP/s, float32 183 GFLOP/s'."""
+    return ", ".join(f"{d.removeprefix('torch.')} {significant(flops / 1e9)} GFLOP/s" for d, flops in rates.items())

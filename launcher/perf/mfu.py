@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from moetron.launcher.perf.device_profiles import GPU_BF16_DENSE_TFLOPS
-from moetron.launcher.perf.flops import accounting, flops_per_token, human
+from moetron.launcher.perf.display import gflops_by_dtype
+from moetron.launcher.perf.flops import accounting, flops_per_token
 from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig
 
@@ -144,9 +145,7 @@ def cpu_peak(*, directory: Path | None = None, measure: Callable[..., float] = t
     """This CPU's peak by PEAK_DEFINITION at the current thread count: the faster of PEAK_DTYPES."""
     rates = {dtype: cpu_matmul_peak(dtype, directory=directory, measure=measure) for dtype in PEAK_DTYPES}
     best = max(rates, key=lambda dtype: rates[dtype][0])
-    # Decimal prefixes, not 3 significant digits of GFLOP/s: an AMX core's bf16 (~1.9e12) would print
-    # in exponent notation on the console.
-    each = ", ".join(f"{str(d).removeprefix('torch.')} {human(flops, 'FLOP/s')}" for d, (flops, _) in rates.items())
+    each = gflops_by_dtype({str(d): flops for d, (flops, _) in rates.items()})
     where = "cached" if all(cached for _, cached in rates.values()) else "measured now"
     return Peak(rates[best][0], f"CPU dense matmul at {torch.get_num_threads()} threads, the faster of "
                                 f"{each} ({where}, {_peak_file(directory)})")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from moetron.launcher.perf import display
 from moetron.launcher.perf.flops import human, summary_rows
 
 # Load ratios are drawn from 0 (idle expert) to this (twice its fair share, or more).
@@ -216,7 +217,7 @@ def start_run_dashboards(cfg, metrics, device, bf16: bool, *, world_size: int = 
     from moetron.launcher.perf.mfu import MfuMeter, config_accounting, device_peak
 
     peak = device_peak(device, bf16, cfg.train.peak_tflops)
-    console(f"MFU is measured against {peak.flops / 1e12:.3g} TFLOP/s per device: {peak.source}")
+    console(f"MFU is measured against {display.significant(peak.flops / 1e12)} TFLOP/s per device: {peak.source}")
     meter = MfuMeter(cfg.model, cfg.train.seq_len, peak, device=device, world_size=world_size, warn=console)
     dashboards = Dashboards(metrics.tensorboard, moe=cfg.model.moe.enabled)
     dashboards.write_static(accounting_markdown(config_accounting(cfg), peak.source))

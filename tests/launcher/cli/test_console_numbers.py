@@ -75,6 +75,16 @@ def test_training_prints_what_metrics_jsonl_holds_in_the_console_formats(trained
     assert not re.search(r"tokens_per_s|\d\.\d+e[+-]\d\d|mfu 0\.", console), console
 
 
+def test_a_peak_over_1000_tflops_prints_without_an_exponent(tmp_path):
+    """A B200's bf16 peak, 2,250 TFLOP/s (here as train.peak_tflops): the line naming what MFU is
+    measured against says 2,250, not 2.25e+03."""
+    console = io.StringIO()
+    with contextlib.redirect_stderr(console), contextlib.redirect_stdout(console):
+        assert main(["train", "tiny", *SMALL, "train.steps=1", "train.peak_tflops=2250", f"train.run_dir={tmp_path}",
+                     "train.name=b200-peak"]) == 0
+    assert "MFU is measured against 2,250 TFLOP/s per device: train.peak_tflops = 2250" in console.getvalue()
+
+
 def test_generate_prints_time_to_first_token_and_tokens_per_s(trained, capsys):
     run, _ = trained
     assert main(["generate", str(run), "--prompt-ids", "1,2,3", "--max-new-tokens", "8", "--greedy", "--ignore-eos",

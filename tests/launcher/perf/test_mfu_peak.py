@@ -75,9 +75,9 @@ def test_cpu_peak_is_the_faster_precision(tmp_path):
 
 
 def test_cpu_peak_names_an_amx_core_s_rate_without_an_exponent(tmp_path):
-    """An AMX core's bf16 matmul is over 1 TFLOP/s: the console line says 1.87 TFLOP/s, not 1.87e+03
+    """An AMX core's bf16 matmul is over 1 TFLOP/s: the console line says 1,870 GFLOP/s, not 1.87e+03
     GFLOP/s (the console shows no exponent notation, tests/launcher/cli/test_console_numbers.py)."""
     rates = {torch.bfloat16: 1.87e12, torch.float32: 1.83e11}
     peak = cpu_peak(directory=tmp_path, measure=lambda m, k, n, dtype: rates[dtype])
     assert peak.flops == 1.87e12
-    assert "bfloat16 1.87 TFLOP/s, float32 183 GFLOP/s (measured now" in peak.source, peak.source
+    assert "bfloat16 1,870 GFLOP/s, float32 183 GFLOP/s (measured now" in peak.source, peak.source
