@@ -30,7 +30,7 @@ import torch
 
 from moetron.launcher.perf.device_profiles import GPU_BF16_DENSE_TFLOPS
 from moetron.launcher.perf.display import gflops_by_dtype
-from moetron.launcher.perf.flops import accounting, flops_per_token
+from moetron.launcher.perf.flops import accounting, flops_per_token, human
 from moetron.launcher.perf.memory import memory_per_rank
 from moetron.model.config import ModelConfig
 
@@ -245,8 +245,8 @@ class MfuMeter:
         self.counted_per_token = counted / tokens
         gap = self.counted_per_token / self.analytic_per_token - 1.0
         if abs(gap) > MFU_TOLERANCE:
-            self.warn(f"warning: FLOPs counted on a real step ({self.counted_per_token:.4g}/token) differ from "
-                      f"the analytic count ({self.analytic_per_token:.4g}/token) by {gap:+.1%}; the measured MFU "
+            self.warn(f"warning: FLOPs counted on a real step ({human(self.counted_per_token, 'FLOP')}/token) differ "
+                      f"from the analytic count ({human(self.analytic_per_token, 'FLOP')}/token) by {gap:+.1%}; the measured MFU "
                       f"is the one to trust (capacity drops? an op without a FLOP formula?)")
 
     def window(self, tokens: int, seconds: float) -> dict[str, float]:

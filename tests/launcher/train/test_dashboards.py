@@ -2,6 +2,7 @@
 `tensorboard` server; MFU peaks, the CPU peak cache and the disagreement warning."""
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from moetron.launcher.config import load_config
+from moetron.launcher.perf.flops import human
 from moetron.launcher.perf.mfu import MfuMeter, Peak, cpu_matmul_peak, device_peak, gpu_peak_tflops
 from moetron.launcher.train.dashboards import (
     custom_scalars_layout,
@@ -191,6 +193,10 @@ def test_meter_warns_when_counted_and_analytic_disagree():
     with meter.step(model, 32):
         model(tokens_BS1[:, :-1]).logits_BSV.sum().backward()
     assert len(warnings) == 1 and "differ from the analytic count" in warnings[0]
+    # Both counts with decimal prefixes, as `moetron flops` prints them (433 kFLOP), never 4.332e+05.
+    assert f"({human(meter.counted_per_token, 'FLOP')}/token) differ" in warnings[0], warnings[0]
+    assert f"analytic count ({human(meter.analytic_per_token, 'FLOP')}/token)" in warnings[0], warnings[0]
+    assert not re.search(r"\de[+-]\d", warnings[0]), warnings[0]
     with meter.step(model, 32):  # only the first step is counted
         model(tokens_BS1[:, :-1])
     # The counted step's 32 tokens and its time are left out of the window: 60 s outlasts that step
