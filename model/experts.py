@@ -36,6 +36,7 @@ class GroupedExperts(nn.Module):
         self.w_gate_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
         self.w_up_EDF = nn.Parameter(torch.empty(num_experts, d_model, d_ff)) if activation == "swiglu" else None
         self.w_down_EFD = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
+        # Biases, one row per expert: named b_* so that the optimizer, which judges by name, does not decay them.
         self.b_gate_EF = nn.Parameter(torch.empty(num_experts, d_ff)) if bias else None
         self.b_up_EF = nn.Parameter(torch.empty(num_experts, d_ff)) if bias and self.w_up_EDF is not None else None
         self.b_down_ED = nn.Parameter(torch.empty(num_experts, d_model)) if bias else None

@@ -16,16 +16,14 @@ FUSED_DEVICES = ("cpu", "cuda")
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Owner] | None = None) -> torch.optim.AdamW:
-    """Matrices and expert weights decay; norms, biases, embeddings and T5's position-bias table
-    (an embedding of offset buckets) do not (GPT-2, Megatron).
+    """Two parameter groups, `decays` splitting them: cfg.weight_decay and none.
 
     With `owners` (dp_mode=zero1, `assign_owners`) each rank keeps and updates only its own
     parameters' state (parallel/sharded_optimizer.py)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (decay if p.ndim >= 2 and "embed" not in name and "t5_bias" not in name else no_decay).append(p)
+        if p.requires_grad:
+            (decay if decays(name, p) else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # The fused kernel updates each element alone, so a sharded parameter (FSDP2/TP DTensors, whose
     # local shards it takes) steps exactly like the whole one; it was 6.4x faster than the per-
@@ -42,6 +40,19 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, *, owners: dict[int, Own
     return torch.optim.AdamW(groups, **kwargs)
 
 
+def decays(name: str, p: torch.Tensor) -> bool:
+    """Whether weight decay applies to parameter `name`: to weight matrices (linear layers, the
+    router's gate, the experts' stacked w_* of shape E×…), not to norm gains, biases, embeddings or
+    T5's position-bias table (an embedding of offset buckets). Megatron exempts every 1-D tensor
+    and every bias; embeddings are exempt too, as in minGPT and OLMo's defaults.
+
+    A bias is told by its name, not its rank: the experts' stacked biases (`b_gate_EF`, `b_up_EF`,
+    `b_down_ED`, model/experts.py) are 2-D, one bias row per expert."""
+    leaf = name.rsplit(".", 1)[-1]
+    bias = leaf == "bias" or leaf.startswith("b_")
+    return p.ndim >= 2 and not bias and "embed" not in name and "t5_bias" not in name
+
+
 def optimizer_for(pm, cfg: TrainConfig) -> torch.optim.AdamW:
     """The optimizer of a ParallelModel: ZeRO-1's sharded one under dp_mode=zero1, else AdamW."""
     owners = assign_owners(pm.named_parameters(), pm.mesh, pm.expert_sharded) if pm.cfg.dp_mode == "zero1" else None
@@ -56,7 +67,8 @@ def lr_at(step: int, cfg: TrainConfig, decay_steps: int | None = None) -> float:
     if cfg.lr_schedule == "constant":
         return cfg.lr
     length = decay_steps or cfg.lr_decay_steps or cfg.steps
-    progress = min((step - cfg.warmup_steps) / max(length - cfg.warmup_steps, 1), 1.0)
+    # Past the schedule's end: min_lr, also right after a warmup longer than the schedule (Megatron).
+    progress = 1.0 if step >= length else (step - cfg.warmup_steps) / (length - cfg.warmup_steps)
     if cfg.lr_schedule == "linear":
         return cfg.lr + (cfg.min_lr - cfg.lr) * progress
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
