@@ -66,6 +66,17 @@ def test_sampler_state_restores_the_exact_sequence():
     assert np.array_equal(b.next_batch(200).numpy(), expected.numpy())
 
 
+def test_every_epoch_draws_each_window_once_in_a_new_order():
+    """Each epoch is a permutation of all windows, reshuffled per epoch (as Megatron's GPT dataset
+    shuffles each epoch's sample index): repeating one order would replay the same batches."""
+    shards = [np.arange(1000, dtype=np.uint16), np.arange(5000, 5700, dtype=np.uint16)]
+    s = WindowSampler(shards, seq_len=16, seed=3)
+    epochs = [s.next_windows(s.num_windows) for _ in range(3)]
+    assert all(sorted(e) == list(range(s.num_windows)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    assert epochs[0] != WindowSampler(shards, seq_len=16, seed=4).next_windows(s.num_windows)  # the seed counts
+
+
 def test_windows_are_contiguous_and_never_cross_shards():
     shards = [np.arange(100, dtype=np.uint16), np.arange(1000, 1100, dtype=np.uint16)]
     s = WindowSampler(shards, seq_len=9, seed=0)

@@ -5,6 +5,7 @@ the attention/FFN crossover)."""
 import itertools
 
 import pytest
+import torch
 
 from moetron.launcher.perf import flops
 from moetron.launcher.perf.memory import memory_per_rank
@@ -78,6 +79,27 @@ def test_llama3_70b_kv_cache_at_8192_in_bf16(kv_heads, gigabytes):
     assert flops.kv_cache_bytes_per_token(cfg) == 2 * 80 * kv_heads * 128 * 2
     assert flops.kv_cache_bytes(cfg, seq_len=8192) / 1e9 == pytest.approx(gigabytes, abs=0.05)
     assert flops.kv_cache_bytes(cfg, seq_len=8192, batch=3) == 3 * flops.kv_cache_bytes(cfg, seq_len=8192)
+
+
+CACHED = {
+    "gqa": ModelConfig(vocab_size=50, d_model=64, n_layers=3, n_heads=8, n_kv_heads=2),
+    "sliding and full": ModelConfig(vocab_size=50, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                                    sliding_window=24, layer_types=("sliding", "full", "sliding", "full")),
+    "mla": ModelConfig(vocab_size=50, d_model=64, n_layers=2, n_heads=4,
+                       mla=MLAConfig(kv_lora_rank=16, q_lora_rank=0, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                                     v_head_dim=16)),
+}
+
+
+@pytest.mark.parametrize("cfg", CACHED.values(), ids=CACHED.keys())
+@pytest.mark.parametrize("seq_len", [10, 24, 40])  # shorter than, equal to and longer than the window
+def test_kv_cache_bytes_are_what_generation_allocates(cfg, seq_len):
+    """kv_cache_bytes against the caches `generate` makes (model.new_caches): every tensor they hold,
+    a sliding layer's window capped at the sequence, in bf16 for a batch of 3."""
+    model = build_model(cfg, device="meta")
+    caches = model.new_caches(3, seq_len, dtype=torch.bfloat16)
+    held = sum(t.numel() * t.element_size() for c in caches for t in vars(c).values() if isinstance(t, torch.Tensor))
+    assert flops.kv_cache_bytes(cfg, seq_len, batch=3, bytes_per_element=2) == held
 
 
 def test_gpt3_175b_on_300b_tokens_is_about_3_15e23_flops():
