@@ -75,7 +75,8 @@ def run(args) -> int:
         raise ConfigError(f"--prompt-ids: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     total = len(prompt_ids) + args.max_new_tokens
     if total > cfg.model.max_seq_len:
-        raise ConfigError(f"prompt ({len(prompt_ids)} tokens) + --max-new-tokens ({args.max_new_tokens}) = {total}: "
+        n = len(prompt_ids)
+        raise ConfigError(f"prompt ({n} token{'s' * (n != 1)}) + --max-new-tokens ({args.max_new_tokens}) = {total}: "
                           f"exceeds the model's max_seq_len ({cfg.model.max_seq_len})")
 
     generator = torch.Generator(device=device).manual_seed(args.seed)

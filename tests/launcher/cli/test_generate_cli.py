@@ -67,7 +67,9 @@ def test_the_installed_command_prints_only_json(run):
     (["{run}", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["{run}", "--prompt-ids", "1,999"], "999 is outside the vocabulary"),
     (["{run}", "--prompt", ""], "the prompt is empty"),
-    (["{run}", "--prompt", "x", "--max-new-tokens", "100"], "exceeds the model's max_seq_len (64)"),
+    (["{run}", "--prompt", "x", "--max-new-tokens", "100"],
+     "prompt (1 token) + --max-new-tokens (100) = 101: exceeds the model's max_seq_len (64)"),
+    (["{run}", "--prompt", "xy", "--max-new-tokens", "100"], "prompt (2 tokens) + --max-new-tokens (100) = 102"),
     (["{run}", "--prompt", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
 ])
 def test_bad_input_is_one_line_and_status_2(run, tmp_path, capsys, args, needle):
