@@ -3,6 +3,7 @@ all_reduce, and the batch script template forwarding its time-limit signal and r
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from moetron.launcher.cluster.bootstrap import slurm_hostnames
 from moetron.launcher.cluster.sbatch import render_sbatch
+from moetron.launcher.cluster.submit import slurm_seconds
 
 pytestmark = [pytest.mark.slurm]
 
@@ -60,6 +62,25 @@ def test_node_idle_in_both_partitions(slurm_env):
 def test_scontrol_expands_host_lists(slurm_env, monkeypatch):
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     assert slurm_hostnames("gpu[09-11],cpu1") == ["gpu09", "gpu10", "gpu11", "cpu1"]
+
+
+def test_time_limits_read_as_slurmctld_records_them(slurm_env):
+    """slurm_seconds (the signal-before-the-limit arithmetic of `moetron submit --time`) against
+    the TimeLimit slurmctld keeps for the same --time: every format sbatch takes, seconds rounded up
+    to a minute. Each job is held and cancelled, so none runs."""
+    for text in ("1", "90", "0:30", "1:30", "0:01", "01:00:00", "3:0:59", "2-00", "1-0", "1-02:03", "1-00:00:01",
+                 "UNLIMITED"):
+        job = run(["sbatch", "--parsable", "--hold", f"--time={text}", "-o", "/dev/null", "--wrap", "true"],
+                  slurm_env).stdout.strip().split(";")[0]
+        try:
+            shown = run(["scontrol", "show", "job", "-o", job], slurm_env).stdout
+        finally:
+            run(["scancel", job], slurm_env, check=False)
+        limit = re.search(r"\bTimeLimit=(\S+)", shown).group(1)
+        parts = re.fullmatch(r"(?:(\d+)-)?(\d+):(\d+):(\d+)", limit)
+        recorded = None if limit == "UNLIMITED" else (
+            ((int(parts.group(1) or 0) * 24 + int(parts.group(2))) * 60 + int(parts.group(3))) * 60 + int(parts.group(4)))
+        assert slurm_seconds(text) == recorded, f"--time={text}: slurmctld recorded TimeLimit={limit}"
 
 
 def test_srun_two_ranks_bootstrap_and_all_reduce(slurm_env):
