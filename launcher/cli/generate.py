@@ -73,9 +73,9 @@ def run(args) -> int:
     bad = [i for i in prompt_ids if not 0 <= i < vocab]
     if bad:
         raise ConfigError(f"--prompt-ids: {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-    total = len(prompt_ids) + args.max_new_tokens
+    n = len(prompt_ids)
+    total = n + args.max_new_tokens
     if total > cfg.model.max_seq_len:
-        n = len(prompt_ids)
         raise ConfigError(f"prompt ({n} token{'s' * (n != 1)}) + --max-new-tokens ({args.max_new_tokens}) = {total}: "
                           f"exceeds the model's max_seq_len ({cfg.model.max_seq_len})")
 
