@@ -53,8 +53,10 @@ from moetron.parallel.pipeline import (
     sync_embedding_copies,
 )
 from moetron.parallel.tensor_parallel import apply_tensor_parallel
+from moetron.parallel.token_mean import GlobalTokenMean
 
-CrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (logits_BSV, targets_BS, reduction="mean") → the loss, reduced as F.cross_entropy reduces it.
+CrossEntropy = Callable[..., torch.Tensor]
 
 
 def apply_compile(model: Decoder, *, tensor_parallel: bool = False) -> None:
@@ -181,13 +183,15 @@ class ParallelModel:
         return loss_parallel() if self.cfg.tp > 1 else contextlib.nullcontext()
 
     def forward_backward(self, batch_BS1: torch.Tensor, *, grad_accum: int, autocast) -> StepLosses:
-        """Accumulate gradients of (1/grad_accum) Σ (CE + aux) over this rank's micro-batches.
+        """Accumulate gradients of (1/grad_accum) Σ (CE + aux) over this rank's micro-batches (with
+        given targets each CE is the micro-batch's share of the global batch's mean: token_mean.py).
 
         batch_BS1: this rank's slice (inputs and shifted targets in one window of S + 1).
         """
         start_global_batch(self.modules)
         if self.pipeline is not None:
             return self._pipeline_forward_backward(batch_BS1, grad_accum, autocast)
+        self._count_scored(batch_BS1, grad_accum)
         model = self.module
         ce_sum = aux_sum = mtp_sum = 0.0
         moe: dict = {}
@@ -208,6 +212,7 @@ class ParallelModel:
         pipe = self.pipeline
         _reset(pipe.record)
         n = grad_accum * self.cfg.microbatches
+        self._count_scored(batch_BS1, n)
         for micro_BS1 in batch_BS1.chunk(grad_accum):
             with self.loss_context(), autocast():
                 pipe.step(*self.local_window(micro_BS1), 1.0 / n, train=train, extra=self.packed_args(micro_BS1))
@@ -231,6 +236,7 @@ class ParallelModel:
                 # training micro-batch's worth of sequences (a validation batch is a global batch).
                 passes = batch_BS1.shape[0] // (self.pipeline.microbatch_BS[0] * self.cfg.microbatches)
                 return self._pipeline_forward_backward(batch_BS1, max(passes, 1), autocast, train=False).ce
+            self._count_scored(batch_BS1, 1)
             with self.loss_context(), autocast():
                 inputs_BS, targets_BS = self.local_window(batch_BS1)
                 logits_BSV = self.module(inputs_BS, *self.packed_args(batch_BS1)).logits_BSV
@@ -238,6 +244,12 @@ class ParallelModel:
         finally:
             for m in self.modules:
                 m.train()
+
+    def _count_scored(self, batch_BS1: torch.Tensor, chunks: int) -> None:
+        """Given targets: count the step's scored positions before its first forward, for each of
+        its `chunks` micro-batches' share of the global mean (token_mean.py)."""
+        if isinstance(self.cross_entropy, GlobalTokenMean):
+            self.cross_entropy.count(self.local_window(batch_BS1)[1], chunks)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         copies = {"embed.weight"} if self.pipeline is not None and self.pipeline.embedding_group is not None else ()
@@ -293,13 +305,15 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
                 targets_given: bool = False) -> ParallelModel:
     """Split, shard, wrap and materialize `meta_model` (built on the meta device) for this rank.
 
-    cross_entropy(logits_BSV, targets_BS) → mean next-token loss; it runs on the last stage,
-    under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
+    cross_entropy(logits_BSV, targets_BS, reduction="mean") → the next-token loss, as
+    F.cross_entropy reduces it ("sum" is asked for only with targets_given); it runs on the last
+    stage, under `loss_parallel` when tp > 1 (logits then arrive as a DTensor split over V).
     microbatch_BS: sequences and tokens of one pipeline micro-batch on this dp rank (pp > 1 only):
     train.batch_size / (dp × grad_accum × microbatches) and train.seq_len.
     float8: FP8 GEMMs for the dense linears and the experts (float8.py; tp must be 1).
     packing: keep packed documents apart (model/packing.py). targets_given: batches are (B, 2, S)
-    inputs and targets (a masked-LM objective) rather than next-token windows (B, S + 1).
+    inputs and targets (a masked-LM objective) rather than next-token windows (B, S + 1); the loss
+    is then the mean over the global batch's scored positions (token_mean.py).
     """
     if cfg.pp > 1 and microbatch_BS is None:
         raise ValueError("parallelize: a pipeline (pp > 1) needs microbatch_BS, the (sequences, tokens) "
@@ -323,14 +337,7 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
         if compile:
             apply_compile(part, tensor_parallel=cfg.tp > 1)
         apply_data_parallel(part, mesh, cfg)
-    if compile:
-        # The loss too (torchtitan's compile component "loss"): the logits' fp32 upcast,
-        # log-softmax and NLL fuse (bf16 logits of 4 × 256 tokens × 32,000 words, forward and
-        # backward on 2 CPU cores: 256 ms eager, 53 ms compiled). Not under TP: there the logits
-        # are a vocabulary-split DTensor inside loss_parallel, and on torch 2.13 the compiled
-        # loss was right on a cold compile cache but wrong once the cache was warm (parity case
-        # tp2_compiled: losses 9% off on every later launch).
-        cross_entropy = torch.compile(cross_entropy) if cfg.tp == 1 else cross_entropy
+    cross_entropy = _loss(cross_entropy, mesh, cfg, compile=compile, targets_given=targets_given)
     ep, ep_rank, tp, tp_rank = mesh.size("ep"), mesh.rank("ep"), mesh.size("tp"), mesh.rank("tp")
 
     def expert_slice(name: str, full: torch.Tensor) -> torch.Tensor:
@@ -347,6 +354,26 @@ def parallelize(meta_model: Decoder, mesh: ParallelMesh, cfg: ParallelConfig, *,
     return ParallelModel(list(parts.values()), mesh, cfg, expert_sharded, pipeline, cross_entropy,
                          expert_tp_split=expert_tp_split, packing=packing, targets_given=targets_given,
                          mtp_weight=_mtp_weight(meta_model))
+
+
+def _loss(cross_entropy: CrossEntropy, mesh: ParallelMesh, cfg: ParallelConfig, *, compile: bool,
+          targets_given: bool) -> CrossEntropy:
+    """The cross entropy the last stage runs: compiled with the blocks, and with given targets
+    normalized by the global batch's scored positions."""
+    if compile and cfg.tp == 1:
+        # The loss too (torchtitan's compile component "loss"): the logits' fp32 upcast,
+        # log-softmax and NLL fuse (bf16 logits of 4 × 256 tokens × 32,000 words, forward and
+        # backward on 2 CPU cores: 256 ms eager, 53 ms compiled). Not under TP: there the logits
+        # are a vocabulary-split DTensor inside loss_parallel, and on torch 2.13 the compiled
+        # loss was right on a cold compile cache but wrong once the cache was warm (parity case
+        # tp2_compiled: losses 9% off on every later launch).
+        cross_entropy = torch.compile(cross_entropy)
+    if targets_given:
+        # Given targets score some positions only: each micro-batch's loss is its share of the
+        # global batch's mean over them (token_mean.py).
+        ranks = mesh.size("dp_cp")
+        cross_entropy = GlobalTokenMean(cross_entropy, mesh.group("dp_cp") if ranks > 1 else None, ranks)
+    return cross_entropy
 
 
 def _mtp_weight(model: Decoder) -> float:

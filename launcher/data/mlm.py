@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-IGNORE = -100  # F.cross_entropy's default ignore_index
+from moetron.parallel.token_mean import IGNORE_INDEX as IGNORE
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class MaskedLM:
         random_ids = torch.randint(0, self.vocab, (n, S), generator=g)
         chosen_p, action_p, random_ids = chosen_p[rows], action_p[rows], random_ids[rows]
         chosen_BS = chosen_p < self.rate
-        # A sequence without a scored position would give its micro-batch a 0/0 loss.
+        # At least one scored position per sequence, as BERT's pretraining data has (max(1, ·)).
         chosen_BS[torch.arange(B), chosen_p.argmin(dim=1)] = True
         inputs_BS = ids_BS.clone()
         masked_BS = chosen_BS & (action_p < 0.8)

@@ -201,9 +201,11 @@ class ExpertBiasUpdate:
                                  self.device)
 
 
-def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy over tokens, in fp32 (logits may be a DTensor split over V under TP)."""
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+def next_token_cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor,
+                             reduction: str = "mean") -> torch.Tensor:
+    """Cross entropy over tokens, in fp32 (logits may be a DTensor split over V under TP); targets
+    of -100 (masked-LM positions not scored) are left out of the sum and the mean."""
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction=reduction)
 
 
 def build_parallel_model(cfg: Config, device: torch.device, packing: Packing | None = None) -> ParallelModel:

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
+from moetron.launcher.data.mlm import MaskedLM
 from moetron.model.config import MLAConfig, ModelConfig, MoEConfig
 from moetron.model.moe import MoELayer
 from moetron.model.mtp import mtp_cross_entropy
@@ -73,6 +74,8 @@ QWEN2 = {"attention_bias": "qkv", "shared_expert_d_ff": 48, "shared_expert_gate"
 GPTOSS = {"attention_sinks": True, "sliding_window": 5, "layer_types": ("sliding", "full", "sliding", "full"),
           "attention_bias": "all", "router_bias": True, "expert_bias": True, "swiglu_limit": 0.1,
           "swiglu_alpha": 1.702, "swiglu_up_offset": 1.0}
+
+ENCODER = {"causal": False}  # trained on masked-LM batches (MLM below)
 
 # name → (parallel layout, model changes (MoE fields, or the position encoding), grad_accum)
 CASES = {
@@ -202,12 +205,23 @@ CASES = {
     "pp4_gpipe_mtp": (dict(pp=4, microbatches=4, schedule="gpipe"), {"mtp_depth": 2}, 1),
     # Packed documents: the ids travel after the documents' starts and positions.
     "pp2_1f1b_packed_mtp": (dict(pp=2, microbatches=2, schedule="1f1b"), {"mtp_depth": 1}, 1),
+    # A masked-LM encoder (MLM): ranks and micro-batches score different numbers of positions, and
+    # the loss is the mean over all of the global batch's; the sum of a vocabulary-split loss under
+    # tp; a cp rank's chunks holding few of a sequence's scored positions.
+    "dp2_ddp_mlm": (dict(dp=2, dp_mode="ddp"), ENCODER, 2),
+    "tp2_sp_mlm": (dict(tp=2, sequence_parallel=True), ENCODER, 1),
+    "cp2_mlm": (dict(cp=2), ENCODER, 1),
+    "pp2_1f1b_mlm": (dict(pp=2, microbatches=2, schedule="1f1b"), ENCODER, 2),
+    "cp2_ep2_mlm": (dict(dp=2, cp=2, ep=2), ENCODER, 1),
 }
 
 # Cases whose windows hold several documents, each closed by EOD (about one token in five).
 EOD = 1
 PACKED = {"tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed", "pp2_cp2_packed", "pp2_1f1b_packed_mtp"}
 PACKING = Packing(EOD, reset_positions=True)
+# Cases trained on BERT's masked-LM batches, (B, 2, S) inputs and targets, ~15% of positions scored
+# (at least one per sequence); the mask token is the model's last id.
+MLM = {"dp2_ddp_mlm", "tp2_sp_mlm", "cp2_mlm", "pp2_1f1b_mlm", "cp2_ep2_mlm"}
 
 
 # Cases whose blocks are compiled, as train.compile=true does (the reference stays eager).
@@ -230,17 +244,25 @@ def make_optimizer(named_params, adamw: bool, owners=None) -> torch.optim.Optimi
     return ShardedAdamW(params, owners=owners, **kwargs) if owners else torch.optim.AdamW(params, **kwargs)
 
 
-def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten())
+def cross_entropy(logits_BSV: torch.Tensor, targets_BS: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(logits_BSV.float().flatten(0, 1), targets_BS.flatten(), reduction=reduction)
 
 
-def batches(packed: bool = False) -> list[torch.Tensor]:
+def batches(packed: bool = False, mlm: bool = False) -> list[torch.Tensor]:
+    """Each step's global batch: windows (B, S + 1), or with `mlm` (B, 2, S) inputs and targets."""
     g = torch.Generator().manual_seed(123)
-    out = [torch.randint(0, MODEL.vocab_size, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+    words = MODEL.vocab_size - int(mlm)  # the last id is MLM's mask token
+    out = [torch.randint(0, words, (BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
     if packed:
         for b in out:
             b[torch.rand(b.shape, generator=g) < 0.2] = EOD
+    if mlm:
+        out = [MaskedLM(words, SEED).pairs(b, step) for step, b in enumerate(out)]
     return out
+
+
+def inputs_targets(micro: torch.Tensor, mlm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return (micro[:, 0], micro[:, 1]) if mlm else (micro[:, :-1], micro[:, 1:])
 
 
 def packed_args(micro_BS1: torch.Tensor, packed: bool) -> tuple[torch.Tensor, ...]:
@@ -259,8 +281,10 @@ def global_batch_loads(model, micro: list[torch.Tensor], dp: int) -> list[dict[i
     return [{k: sum(counts[r * per_rank + j][k] for r in range(dp)) for k in counts[0]} for j in range(per_rank)]
 
 
-def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int = 1, packed: bool = False) -> dict:
-    """One process, plain model, SGD, accumulating over `chunks` micro-batches per step.
+def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int = 1, packed: bool = False,
+              mlm: bool = False) -> dict:
+    """One process, plain model, SGD, accumulating over `chunks` micro-batches per step. Its CE is
+    each micro-batch's mean, averaged; with `mlm`, the mean over all scored positions of the batch.
 
     With the global-batch balance loss the layout's micro-batch j on each dp rank sees the routes
     of micro-batches 1..j of every dp rank: routed first, then handed to each router in turn."""
@@ -271,8 +295,9 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
     out = {"ce": [], "aux": [], "mtp": [], "counts": [], "grads": None}
     routers = {i: b.ffn.router for i, b in model.layers.items() if isinstance(b.ffn, MoELayer)}
     global_batch = model_cfg.moe.aux_loss_type == "global_batch"
-    for batch in batches(packed):
+    for batch in batches(packed, mlm):
         ce_sum = aux_sum = mtp_sum = 0.0
+        scored = int((batch[:, 1] != -100).sum()) if mlm else 0
         counts = []
         micros = batch.chunk(chunks)
         loads = global_batch_loads(model, micros, dp) if global_batch else []
@@ -283,10 +308,13 @@ def reference(model_cfg: ModelConfig, chunks: int, adamw: bool = False, dp: int 
                     if j == 0:  # a dp rank's first micro-batch: its running count starts over
                         router.start_batch()
                     router.hooks.batch_sum = lambda counts_E, load_E=loads[j][int(layer)]: load_E
-            res = model(micro[:, :-1], *packed_args(micro, packed))
-            ce = cross_entropy(res.logits_BSV, micro[:, 1:])
+            inputs, targets = inputs_targets(micro, mlm)
+            res = model(inputs, *packed_args(micro, packed))
+            # MLM: this micro-batch's CE summed, over the batch's scored positions, × chunks (÷ below).
+            ce = (cross_entropy(res.logits_BSV, targets, reduction="sum") / scored * chunks if mlm
+                  else cross_entropy(res.logits_BSV, targets))
             # Multi-token prediction: λ/D Σ_k CE_k (0 without it).
-            mtp = mtp_cross_entropy(res.mtp_logits, micro[:, 1:], cross_entropy)
+            mtp = mtp_cross_entropy(res.mtp_logits, targets, cross_entropy)
             ((ce + res.aux_loss + model_cfg.mtp_loss_weight * mtp) / chunks).backward()
             ce_sum, aux_sum, mtp_sum = ce_sum + ce.item(), aux_sum + res.aux_loss.item(), mtp_sum + mtp.item()
             counts.append({k: s.counts_E.tolist() for k, s in res.moe.items()})
@@ -335,7 +363,7 @@ def reference_args(name: str) -> tuple:
     cases with equal arguments share one reference (dp matters only to the global-batch loss)."""
     pcfg, model_cfg, grad_accum, mb = case_config(name)
     dp = pcfg.dp if model_cfg.moe.aux_loss_type == "global_batch" else 1
-    return model_cfg, pcfg.dp * grad_accum * mb, name in ADAMW, dp, name in PACKED
+    return model_cfg, pcfg.dp * grad_accum * mb, name in ADAMW, dp, name in PACKED, name in MLM
 
 
 def shared_references(names: list[str]) -> dict[tuple, dict]:
@@ -378,7 +406,7 @@ def run_case(name: str, ref: dict, mesh: ParallelMesh) -> dict:
     pm = parallelize(build_model(model_cfg, device="meta"), mesh, pcfg, seed=SEED, device=torch.device("cpu"),
                      cross_entropy=cross_entropy, activation_checkpoint=ACTIVATION_CHECKPOINT.get(name, "none"),
                      compile=name in COMPILED, microbatch_BS=(BATCH // (pcfg.dp * grad_accum * mb), SEQ),
-                     packing=PACKING if packed else None)
+                     packing=PACKING if packed else None, targets_given=name in MLM)
     owners = assign_owners(pm.named_parameters(), mesh, pm.expert_sharded) if pcfg.dp_mode == "zero1" else None
     opt = make_optimizer(pm.named_parameters(), adamw, owners)
     worst = {"ce": 0.0, "aux": 0.0, "grad": 0.0, "mtp": 0.0}
@@ -396,7 +424,7 @@ def run_case(name: str, ref: dict, mesh: ParallelMesh) -> dict:
 
     forwards_ok, eval_err = True, 0.0
     frames_after_first = None  # compiled cases: frames Dynamo had compiled by the end of step 1
-    for step, batch in enumerate(batches(packed)):
+    for step, batch in enumerate(batches(packed, name in MLM)):
         if pcfg.pp > 1:
             # Before the step's update its validation CE is the reference's training CE (no
             # dropout, no jitter); a validation batch holds grad_accum pipeline passes.

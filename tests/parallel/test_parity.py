@@ -29,7 +29,8 @@ LAUNCHES = {
         "tp2_sp_packed", "cp2_packed", "pp2_1f1b_packed",
         "tp2_mla", "tp2_sp_mla", "cp2_mla", "pp2_1f1b_mla", "tp2_mla_mtp",
         "tp2_gptoss", "tp2_sp_gptoss", "cp2_gptoss",
-        "tp2_mtp", "tp2_sp_mtp", "pp2_1f1b_mtp", "pp2_zero_bubble_mtp", "pp2_1f1b_packed_mtp"],
+        "tp2_mtp", "tp2_sp_mtp", "pp2_1f1b_mtp", "pp2_zero_bubble_mtp", "pp2_1f1b_packed_mtp",
+        "dp2_ddp_mlm", "tp2_sp_mlm", "cp2_mlm", "pp2_1f1b_mlm"],
     4: ["dp4_ep2", "dp4_ep2_ddp", "tp2_ep2", "tp2_sp_ep2", "pp2_ep2", "pp2_tp2", "pp2_tp2_sp", "pp2_tp2_sp_sinusoidal", "pp2_dp2_interleaved",
         "tp2_sp_ep2_bias", "pp2_dp2_bias", "hsdp2x2", "hsdp2x2_ep2", "zero1_dp4", "zero1_dp4_ep2",
         "tp2_etp2_ep2", "tp2_etp2_ddp", "pp2_tp2_etp2",
@@ -38,7 +39,7 @@ LAUNCHES = {
         "tp2_sp_ep2_global", "cp2_dp2_global", "pp2_dp2_interleaved_global", "pp2_dp2_global_ac_full",
         "pp2_cp2_packed", "tp2_ep2_mla", "cp2_tp2_sp_mla", "tp2_ep2_qwen2",
         "tp2_ep2_gptoss", "tp2_etp2_ep2_gptoss", "tp2_ep2_mtp", "pp2_tp2_sp_mtp", "pp2_dp2_interleaved_mtp",
-        "pp4_gpipe_mtp"],
+        "pp4_gpipe_mtp", "cp2_ep2_mlm"],
     8: ["pp2_dp2_tp2_ep2", "pp2_dp2_tp2_ep2_etp2"],
 }
 # train.compile=true under TP, EP + FSDP with the bias, PP 1F1B and DDP with the global-batch

@@ -3,6 +3,7 @@ same draws for a row whichever rank corrupts it."""
 
 import math
 
+import pytest
 import torch
 
 from moetron.launcher.data.mlm import IGNORE, MaskedLM
@@ -67,3 +68,30 @@ def test_an_encoder_learns_the_masked_tokens(tmp_path, capsys):
     assert main(["eval", str(run), "--seq-len", "64"]) == 2
     err = capsys.readouterr().err.strip()
     assert "encoder (model.causal false)" in err and len(err.splitlines()) == 1
+
+
+def test_accumulation_leaves_the_loss_of_one_batch(tmp_path):
+    """Micro-batches of one step score different numbers of positions; the step's loss (and so its
+    update) is the mean over all of them, as one batch takes it, not the mean of the micro-batches'
+    means: a dense encoder trained with grad_accum 2 logs the losses of grad_accum 1 (parallel
+    layouts: tests/parallel, the *_mlm cases)."""
+    import json
+    from pathlib import Path
+
+    from moetron.launcher.config import load_config
+    from moetron.launcher.train.trainer import train
+
+    tiny = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"
+    losses = {}
+    for accum in (1, 2):
+        cfg = load_config(tiny, ["model.causal=false", "train.objective=mlm", "model.moe.num_experts=0",
+                                 "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=2",
+                                 "model.d_ff=64", "train.seq_len=32", "train.batch_size=4", f"train.grad_accum={accum}",
+                                 "train.steps=3", "train.log_every=1", "train.eval_every=3", "train.eval_batches=1",
+                                 "train.threads=1", "train.checkpoint.every=0", "train.precision=fp32",
+                                 f"train.run_dir={tmp_path / str(accum)}"])
+        run = train(cfg, console=lambda *_: None)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[accum] = [r["loss"] for r in records] + [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(losses[1]) == 4
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
