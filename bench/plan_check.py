@@ -41,9 +41,13 @@ RANKS = 4
 LAYOUTS = {
     "tp2_ep2": ["parallel.dp=2", "parallel.tp=2", "parallel.ep=2", "parallel.sequence_parallel=true"],
     "pp2_dp2_1f1b": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"],
+    # GPipe keeps the activations of all 4 micro-batches in flight on the first stage, 1F1B of pp = 2.
+    "pp2_dp2_gpipe4": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4", "parallel.schedule=gpipe"],
+    "pp2_dp2_1f1b4": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=4", "parallel.schedule=1f1b"],
     "pp2_dp2_interleaved": ["parallel.pp=2", "parallel.dp=2", "parallel.vpp=2", "parallel.microbatches=2",
                             "parallel.schedule=interleaved_1f1b"],
     "dp4_fsdp": ["parallel.dp=4"],
+    "dp4_fsdp_ga4": ["parallel.dp=4", "train.grad_accum=4"],
     "dp4_ddp": ["parallel.dp=4", "parallel.dp_mode=ddp"],
     "dp4_zero1": ["parallel.dp=4", "parallel.dp_mode=zero1"],
     "ep4": ["parallel.dp=4", "parallel.ep=4"],

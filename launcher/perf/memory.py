@@ -10,7 +10,9 @@ and the multi-token-prediction modules (model/mtp.py), with a copy of the embedd
 Dense weights are split by `tp`; routed expert weights by `ep × etp` (etp = 1 replicates them over
 tp). The ranks holding the same weights are the dp × cp ones (experts: dp / ep × cp); how much of
 that copy a rank keeps depends on `dp_mode`:
-  fsdp   weights, grads and optimizer state split over all of them (ZeRO-3)
+  fsdp   weights, grads and optimizer state split over all of them (ZeRO-3); but a step of several
+         chunks (grad_accum × pipeline micro-batches) accumulates its grads unsharded until the
+         last backward reduce-scatters them (`gradients_held`)
   hsdp   the same inside a shard group of `dp_shard` data-parallel ranks × cp
   zero1  weights and grads whole, optimizer state split over all of them (ZeRO-1)
   ddp    everything whole
@@ -27,7 +29,7 @@ included (the planner adds the buffers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetron.launcher.perf.flops import layer_counts, parameter_counts
 from moetron.model.config import ModelConfig
@@ -142,6 +144,20 @@ def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float
     return held, held
 
 
+def gradients_held(cfg: ModelConfig, par: ParallelConfig, chunks: int = 1) -> float:
+    """Parameters whose gradients the most loaded rank keeps during a step of `chunks` forward and
+    backward passes (grad_accum × pipeline micro-batches). Its weights' share, except under fsdp and
+    hsdp with more than one chunk: the gradients then accumulate unsharded over the step's chunks and
+    are reduce-scattered once, after the last backward (parallel/data_parallel.py's
+    `set_gradient_sync`; torch's pipeline schedules skip the reduction in every backward and run it at
+    the step's end), so the rank holds the whole gradient of what it computes, as under ddp.
+    Measured by bench/plan_check.py: dp4 fsdp with grad_accum 4, 151 MB against 97 MB predicted by
+    sharded gradients."""
+    if chunks > 1 and par.dp_mode in ("fsdp", "hsdp"):
+        par = replace(par, dp_mode="ddp")
+    return parameters_held(cfg, par)[0]
+
+
 def activation_bytes_held(cfg: ModelConfig, par: ParallelConfig, *, seq_len: int, micro_batch: int,
                           activation_checkpoint: bool | str = False, activation_bytes: int = 2,
                           expert_imbalance: float = 1.0) -> float:
@@ -180,14 +196,15 @@ def _mtp_elements(cfg: ModelConfig, par: ParallelConfig, per_token: dict[str, fl
 def memory_per_rank(cfg: ModelConfig, par: ParallelConfig = SINGLE_RANK, *, seq_len: int, micro_batch: int,
                     activation_checkpoint: bool | str = False, param_bytes: int = 4, grad_bytes: int = 4,
                     optimizer_bytes: int = 8, activation_bytes: int = 2,
-                    expert_imbalance: float = 1.0) -> MemoryEstimate:
+                    expert_imbalance: float = 1.0, chunks: int = 1) -> MemoryEstimate:
     """Weights, grads, AdamW state (two fp32 moments) and saved activations on the most loaded rank
     of layout `par`, for micro-batches of `micro_batch` sequences of `seq_len` tokens.
     `activation_checkpoint`: "none", "selective", "full" (True/False: full/none).
-    `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced)."""
+    `expert_imbalance`: the busiest expert-parallel rank's routes over the mean (1 = balanced).
+    `chunks`: forward and backward passes per step, grad_accum × pipeline micro-batches (`gradients_held`)."""
     held, optimizer_held = parameters_held(cfg, par)
     activations = activation_bytes_held(cfg, par, seq_len=seq_len, micro_batch=micro_batch,
                                         activation_checkpoint=activation_checkpoint,
                                         activation_bytes=activation_bytes, expert_imbalance=expert_imbalance)
-    return MemoryEstimate(weights=int(held * param_bytes), grads=int(held * grad_bytes),
+    return MemoryEstimate(weights=int(held * param_bytes), grads=int(gradients_held(cfg, par, chunks) * grad_bytes),
                           optimizer=int(optimizer_held * optimizer_bytes), activations=int(activations))

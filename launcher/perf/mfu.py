@@ -190,10 +190,11 @@ def config_accounting(cfg, *, seq_len: int | None = None, batch: int | None = No
     length and batch, with the memory estimate for its parallel layout and precision."""
     par, t = cfg.parallel, cfg.train
     seq_len, batch = seq_len or t.seq_len, batch or t.batch_size
-    micro = max(batch // (par.dp * t.grad_accum * par.pipeline_chunks), 1)
+    chunks = t.grad_accum * par.pipeline_chunks
+    micro = max(batch // (par.dp * chunks), 1)
     memory = memory_per_rank(cfg.model, par, seq_len=seq_len, micro_batch=micro,
                              activation_checkpoint=t.activation_checkpoint,
-                             activation_bytes=4 if t.precision == "fp32" else 2)
+                             activation_bytes=4 if t.precision == "fp32" else 2, chunks=chunks)
     out = accounting(cfg.model, seq_len=seq_len, batch=batch, kv_bytes_per_element=kv_bytes, memory=memory.to_dict())
     out["layout"] = {"pp": par.pp, "tp": par.tp, "cp": par.cp, "ep": par.ep, "etp": par.etp, "dp": par.dp,
                      "dp_mode": par.dp_mode, "dp_shard": par.shard_group}

@@ -226,7 +226,7 @@ def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0
     micro = max(t.batch_size // (par.dp * chunks), 1)
     mem = memory_per_rank(cfg.model, par, seq_len=t.seq_len, micro_batch=micro,
                           activation_checkpoint=layout.activation_checkpoint, activation_bytes=act_bytes,
-                          expert_imbalance=expert_imbalance).to_dict()
+                          expert_imbalance=expert_imbalance, chunks=chunks).to_dict()
     mem["buffers"] = _buffers(cfg, par, micro, act_bytes, expert_imbalance)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     return mem
