@@ -65,6 +65,8 @@ LAYOUTS = {
     "pp2": ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b"],
     "cp2": ["parallel.cp=2"],
     "dp2_hsdp_shard1": ["parallel.dp=2", "parallel.dp_mode=hsdp", "parallel.dp_shard=1"],
+    # Accumulation: HSDP reduce-scatters (here within one rank) every micro-batch, all-reduces once.
+    "dp2_hsdp_shard1_accum2": ["parallel.dp=2", "parallel.dp_mode=hsdp", "parallel.dp_shard=1", "train.grad_accum=2"],
     "dp2_zero1": ["parallel.dp=2", "parallel.dp_mode=zero1"],
     "ep2_zero1": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=zero1"],
     "ep2_ddp": ["parallel.dp=2", "parallel.ep=2", "parallel.dp_mode=ddp"],
@@ -82,6 +84,8 @@ LAYOUTS = {
     "tp2_sp_mtp": ["parallel.tp=2", "parallel.sequence_parallel=true", "model.mtp_depth=1"],
     "dp2_ddp_mtp": ["parallel.dp=2", "parallel.dp_mode=ddp", "model.mtp_depth=1"],
     "ep2_mtp": ["parallel.dp=2", "parallel.ep=2", "model.mtp_depth=1"],
+    "dp2_accum2_mtp": ["parallel.dp=2", "train.grad_accum=2", "model.mtp_depth=1"],
+    "dp2_ddp_accum2_mtp": ["parallel.dp=2", "parallel.dp_mode=ddp", "train.grad_accum=2", "model.mtp_depth=1"],
     "pp2_mtp": ["parallel.pp=2", "parallel.microbatches=2", "parallel.schedule=1f1b", "model.mtp_depth=1"],
 }
 COUNTED_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")

@@ -99,12 +99,24 @@ def _on_gloo(mesh) -> bool:
     return any(dist.get_backend(g) == "gloo" for g in groups)
 
 
-def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool) -> None:
-    """Gradient accumulation: skip the dp reduction on all but the last micro-batch (the local
-    gradients accumulate unsharded meanwhile)."""
+def set_gradient_sync(modules: Iterable[nn.Module], enabled: bool, dp_mode: str) -> None:
+    """Gradient accumulation: which reductions the coming backward runs (`enabled` on a step's last
+    micro-batch only). Replicated weights (ddp, zero1) skip their all-reduce until the last
+    micro-batch: their gradients are whole either way. Sharded ones keep their memory sharded, as
+    torchtitan and DeepSpeed's ZeRO do: FSDP reduce-scatters every micro-batch's gradients into the
+    accumulated shard (skipping it would hold the whole gradient of every unit until the last
+    backward); HSDP reduce-scatters every micro-batch too and all-reduces the shards across its
+    replica groups once, after the last. (Under pp > 1 torch's schedule decides instead: it
+    reduces nothing until the end of its step.)"""
+    if dp_mode == "fsdp":
+        return
     for root in modules:
         for m in root.modules():
-            if isinstance(m, FSDPModule):
+            if not isinstance(m, FSDPModule):
+                continue
+            if dp_mode == "hsdp":
+                m.set_requires_all_reduce(enabled, recurse=False)
+            else:
                 m.set_requires_gradient_sync(enabled, recurse=False)
 
 

@@ -196,7 +196,7 @@ class ParallelModel:
         ce_sum = aux_sum = mtp_sum = 0.0
         moe: dict = {}
         for i, micro_BS1 in enumerate(batch_BS1.chunk(grad_accum)):
-            set_gradient_sync(self.modules, i == grad_accum - 1)
+            set_gradient_sync(self.modules, i == grad_accum - 1, self.cfg.dp_mode)
             with self.loss_context():
                 with autocast():
                     inputs_BS, targets_BS = self.local_window(micro_BS1)

@@ -42,10 +42,12 @@ so a per-token tensor summed over the R ranks of a stage is T·tp tokens):
                     (under SP each tp rank sends its S/tp slice).
   data parallel     FSDP: every unit's parameters all-gathered in forward and again in backward
                     (the root unit, which holds only what no child holds, is kept for backward),
-                    its gradients reduce-scattered once per step; DDP: one gradient all-reduce
-                    per unit and step, over the dp × cp ranks holding the same weights; HSDP: FSDP's
-                    gathers and reduce-scatters inside a shard group of dp_shard × cp ranks, then
-                    an all-reduce of each rank's gradient shard across the dp / dp_shard groups;
+                    its gradients reduce-scattered once per accumulation step (the shards stay
+                    sharded in memory); DDP: one gradient all-reduce per unit and optimizer
+                    step, over the dp × cp ranks holding the same weights; HSDP: FSDP's gathers
+                    and reduce-scatters inside a shard group of dp_shard × cp ranks, then, once
+                    per optimizer step, an all-reduce of each rank's gradient shard across the
+                    dp / dp_shard groups;
                     ZeRO-1: DDP's all-reduce, then one broadcast per parameter tensor from the
                     rank that updated it (a broadcast's size is the tensor). Units:
                     each block, each block's routed experts (on the dp/ep × cp ranks holding the
@@ -329,15 +331,19 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
         reduces = (reductions + (u.early_reduce and s.grad_accum > 1)) * ranks * n
         if p.dp_mode in ("fsdp", "hsdp"):
             name = "hsdp" if p.dp_mode == "hsdp" else "fsdp"
+            # Sharded gradients are reduce-scattered after every accumulation step's backward
+            # (data_parallel.set_gradient_sync; under pp once per schedule step), HSDP's shards
+            # all-reduced across replicas once per optimizer step (pp: per schedule step).
+            scatters, replica_reduces = s.grad_accum * ranks * n, reductions * ranks * n
             if u.group > 1:
                 gathers = ((gathers_per_root if u.root else gathers_per_unit) + u.regathers * s.chunks) * ranks * n
                 out.append(Traffic("all_gather", f"{name} parameters (fwd + bwd)", gathers,
                                    gathers * u.elements * param_bytes))
-                out.append(Traffic("reduce_scatter", f"{name} gradients", reduces,
-                                   reduces * u.elements * grad_bytes))
+                out.append(Traffic("reduce_scatter", f"{name} gradients", scatters,
+                                   scatters * u.elements * grad_bytes))
             if u.replicas > 1:
-                out.append(Traffic("all_reduce", "hsdp-replicas gradient shards", reduces,
-                                   reduces * u.elements // u.group * grad_bytes))
+                out.append(Traffic("all_reduce", "hsdp-replicas gradient shards", replica_reduces,
+                                   replica_reduces * u.elements // u.group * grad_bytes))
         else:
             out.append(Traffic("all_reduce", "ddp gradients", reduces, reduces * u.elements * grad_bytes))
             if p.dp_mode == "zero1":

@@ -10,9 +10,9 @@ and the multi-token-prediction modules (model/mtp.py), with a copy of the embedd
 Dense weights are split by `tp`; routed expert weights by `ep × etp` (etp = 1 replicates them over
 tp). The ranks holding the same weights are the dp × cp ones (experts: dp / ep × cp); how much of
 that copy a rank keeps depends on `dp_mode`:
-  fsdp   weights, grads and optimizer state split over all of them (ZeRO-3); but a step of several
-         chunks (grad_accum × pipeline micro-batches) accumulates its grads unsharded until the
-         last backward reduce-scatters them (`gradients_held`)
+  fsdp   weights, grads and optimizer state split over all of them (ZeRO-3); but under pp > 1 the
+         pipeline's micro-batches accumulate the grads unsharded until the schedule's step ends
+         (`gradients_held`)
   hsdp   the same inside a shard group of `dp_shard` data-parallel ranks × cp
   zero1  weights and grads whole, optimizer state split over all of them (ZeRO-1)
   ddp    everything whole
@@ -147,13 +147,12 @@ def parameters_held(cfg: ModelConfig, par: ParallelConfig) -> tuple[float, float
 def gradients_held(cfg: ModelConfig, par: ParallelConfig, chunks: int = 1) -> float:
     """Parameters whose gradients the most loaded rank keeps during a step of `chunks` forward and
     backward passes (grad_accum × pipeline micro-batches). Its weights' share, except under fsdp and
-    hsdp with more than one chunk: the gradients then accumulate unsharded over the step's chunks and
-    are reduce-scattered once, after the last backward (parallel/data_parallel.py's
-    `set_gradient_sync`; torch's pipeline schedules skip the reduction in every backward and run it at
-    the step's end), so the rank holds the whole gradient of what it computes, as under ddp.
-    Measured by bench/plan_check.py: dp4 fsdp with grad_accum 4, 151 MB against 97 MB predicted by
-    sharded gradients."""
-    if chunks > 1 and par.dp_mode in ("fsdp", "hsdp"):
+    hsdp in a pipeline of more than one micro-batch: torch's schedules skip the reduce-scatter in
+    every backward and run it when their step ends (`perform_reduce_grad`), so the stage's gradients
+    accumulate whole meanwhile, as under ddp (bench/plan_check.py, pp2_dp2_1f1b4: 113 MB predicted
+    by sharded gradients, 140 MB measured). Gradient accumulation alone keeps them sharded
+    (parallel/data_parallel.py's `set_gradient_sync` reduce-scatters every micro-batch)."""
+    if chunks > 1 and par.pp > 1 and par.dp_mode in ("fsdp", "hsdp"):
         par = replace(par, dp_mode="ddp")
     return parameters_held(cfg, par)[0]
 

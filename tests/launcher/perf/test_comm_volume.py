@@ -152,11 +152,15 @@ def test_fsdp_under_pipeline_gathers_once_per_microbatch_and_once_for_backward(a
 
 
 @pytest.mark.parametrize("accum", [1, 2])
-def test_grad_accumulation_repeats_gathers_not_scatters(accum):
+def test_grad_accumulation_repeats_fsdp_gathers_and_scatters_not_ddp_all_reduces(accum):
+    """FSDP reduce-scatters every micro-batch's gradients, keeping them sharded; DDP all-reduces once."""
     one = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=1))
     got = by_kind(predict_step(MODEL, ParallelConfig(dp=2), batch=8, seq_len=32, grad_accum=accum))
     assert got["all_gather"]["bytes"] == accum * one["all_gather"]["bytes"]
-    assert got["reduce_scatter"] == one["reduce_scatter"]
+    assert got["reduce_scatter"] == {k: accum * v for k, v in one["reduce_scatter"].items()}
+    ddp = ParallelConfig(dp=2, dp_mode="ddp")
+    one, got = (by_kind(predict_step(MODEL, ddp, batch=8, seq_len=32, grad_accum=a)) for a in (1, accum))
+    assert got["all_reduce"] == one["all_reduce"]
 
 
 def test_one_process_communicates_nothing():
