@@ -205,5 +205,13 @@ def memory_per_rank(cfg: ModelConfig, par: ParallelConfig = SINGLE_RANK, *, seq_
     activations = activation_bytes_held(cfg, par, seq_len=seq_len, micro_batch=micro_batch,
                                         activation_checkpoint=activation_checkpoint,
                                         activation_bytes=activation_bytes, expert_imbalance=expert_imbalance)
-    return MemoryEstimate(weights=int(held * param_bytes), grads=int(gradients_held(cfg, par, chunks) * grad_bytes),
+    grads = gradients_held(cfg, par, chunks) * grad_bytes
+    in_flight = microbatches_in_flight(par)
+    if grads > held * grad_bytes and in_flight == par.microbatches:
+        # Whole gradients of a pipeline stage (see gradients_held) when every micro-batch's forward
+        # runs before the first backward (GPipe, or no more micro-batches than stages): the peak of
+        # activations comes before any gradient, and the first backward frees a micro-batch's
+        # activations as the whole gradients appear.
+        grads = max(held * grad_bytes, grads - activations / in_flight)
+    return MemoryEstimate(weights=int(held * param_bytes), grads=int(grads),
                           optimizer=int(optimizer_held * optimizer_bytes), activations=int(activations))
