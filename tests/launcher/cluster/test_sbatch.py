@@ -94,6 +94,7 @@ def test_rendered_script_is_valid_bash(tmp_path):
     "field, value, message",
     [
         ("nodes", 0, "nodes=0 must be >= 1"),
+        ("min_nodes", 0, "min_nodes=0 must be >= 1"),
         ("nodes", "2", "must be an integer"),
         ("exclusive", "yes", "must be true or false"),
         ("time", "48h", "not a Slurm time"),
