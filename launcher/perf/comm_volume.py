@@ -328,7 +328,6 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
     for u, n in Counter(_units(m, p)).items():
         if u.group * u.replicas == 1:
             continue
-        reduces = (reductions + (u.early_reduce and s.grad_accum > 1)) * ranks * n
         if p.dp_mode in ("fsdp", "hsdp"):
             name = "hsdp" if p.dp_mode == "hsdp" else "fsdp"
             # Sharded gradients are reduce-scattered after every accumulation step's backward
@@ -345,6 +344,7 @@ def _data_parallel(s: _Step, param_bytes: int, grad_bytes: int) -> list[Traffic]
                 out.append(Traffic("all_reduce", "hsdp-replicas gradient shards", replica_reduces,
                                    replica_reduces * u.elements // u.group * grad_bytes))
         else:
+            reduces = (reductions + (u.early_reduce and s.grad_accum > 1)) * ranks * n
             out.append(Traffic("all_reduce", "ddp gradients", reduces, reduces * u.elements * grad_bytes))
             if p.dp_mode == "zero1":
                 out.append(Traffic("broadcast", "zero1 updated parameters", ranks * u.tensors * n,
@@ -364,7 +364,7 @@ class _Unit:
     replicas: int = 1  # HSDP: groups holding a copy each
     tensors: int = 1  # parameter tensors in it (ZeRO-1 broadcasts each)
     regathers: int = 0  # FSDP: gathers per chunk beyond the usual (`_mtp_regathers`)
-    early_reduce: bool = False  # reduced once more per step under accumulation (`_outer_units`)
+    early_reduce: bool = False  # DDP/ZeRO-1: reduced once more per step under accumulation (`_outer_units`)
 
 
 def _units(m: ModelConfig, p: ParallelConfig) -> list[_Unit]:
@@ -436,7 +436,8 @@ def _outer_units(m: ModelConfig, p: ParallelConfig, units: list[_Unit]) -> list[
         # With MTP the head's first post-backward (after a depth's head) runs before autograd has
         # accumulated that head's weight gradient: with one micro-batch it reduces nothing, but
         # the last of several finds the earlier ones' gradient kept unreduced there and reduces
-        # it, the main head's post-backward the rest (every dp_mode; the pipeline schedule instead
+        # it, the main head's post-backward the rest (ddp and zero1: FSDP and HSDP reduce-scatter
+        # every micro-batch's gradient, which leaves none kept; the pipeline schedule instead
         # reduces once at the end of its step).
         out.append(replace(tail, regathers=tail_regathers, early_reduce=bool(m.mtp_depth) and p.pp == 1))
     return out + [replace(root, root=True) for root in roots if root.tensors]

@@ -227,8 +227,7 @@ def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0
     mem = memory_per_rank(cfg.model, par, seq_len=t.seq_len, micro_batch=micro,
                           activation_checkpoint=layout.activation_checkpoint, activation_bytes=act_bytes,
                           expert_imbalance=expert_imbalance, chunks=chunks).to_dict()
-    mem["buffers"] = _buffers(cfg, par, micro, act_bytes, expert_imbalance) + _gradient_transient(
-        cfg, par, mem["activations"])
+    mem["buffers"] = _buffers(cfg, par, micro, act_bytes, mem["activations"], expert_imbalance)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     return mem
 
@@ -368,30 +367,24 @@ def _block_params(m) -> tuple[float, float]:
     return dense, counts.experts / max(n_moe, 1)
 
 
-def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, imbalance: float = 1.0) -> float:
+def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, activations: float,
+             imbalance: float = 1.0) -> float:
     """Communication buffers: FSDP/HSDP's gathered copy of two blocks (the routed experts being
-    their own unit, E/ep of them); EP's send + receive rows (received: × the busiest rank's imbalance)."""
+    their own unit, E/ep of them), and in backward a block's whole gradient with the reduce-scatter's
+    copy of it (fp32), held while only that block's share of the `activations` has been freed: that
+    sets the peak when a micro-batch's activations are small beside the block (bench/plan_check.py:
+    dp4 fsdp with 4 accumulation steps measured 1.24× the prediction without it); EP's send +
+    receive rows (received: × the busiest rank's imbalance)."""
     m = cfg.model
     out = 0.0
     if par.dp_mode in ("fsdp", "hsdp") and par.dp * par.cp > 1:
         dense, experts = _block_params(m)
-        out += 2 * (dense / par.tp + experts / (par.ep * par.etp)) * 4
+        block = (dense / par.tp + experts / (par.ep * par.etp)) * 4  # one block's fp32 parameters here
+        out += 2 * block + max(0.0, 2 * block - activations / max(m.n_layers / par.pp, 1))
     if par.ep > 1 and m.moe.enabled:
         rows = micro * cfg.train.seq_len / par.cp * m.moe.top_k
         out += (1 + busiest_rank_imbalance(m, par.ep, imbalance)) * rows * m.d_model * act_bytes
     return out
-
-
-def _gradient_transient(cfg: Config, par: ParallelConfig, activations: float) -> float:
-    """FSDP/HSDP: the backward of a stage's last block holds the block's whole gradient and the
-    reduce-scatter's copy of it (fp32) while only that block's share of the activations has been
-    freed. It sets the peak when a micro-batch's activations are small beside the block
-    (bench/plan_check.py: dp4 fsdp with 4 accumulation steps measured 1.24× the prediction without it)."""
-    if par.dp_mode not in ("fsdp", "hsdp") or par.dp * par.cp == 1:
-        return 0.0
-    dense, experts = _block_params(cfg.model)
-    block = (dense / par.tp + experts / (par.ep * par.etp)) * 4
-    return max(0.0, 2 * block - activations / max(cfg.model.n_layers / par.pp, 1))
 
 
 @dataclass
