@@ -2,7 +2,7 @@
 time of several layouts of one config on 4 gloo ranks, with the calibrated `cpu` profile.
 
     python -m moetron plan --calibrate          # once, on a quiet machine
-    python bench/plan_check.py                  # ~3 min on 2 cores
+    python bench/plan_check.py                  # ~4 min on 2 cores
     python bench/plan_check.py --layouts dp4_fsdp tp2_ep2 --steps 6
 
 One `torchrun --nproc-per-node 4` launch runs each layout in turn with the trainer's pieces
@@ -54,6 +54,16 @@ LAYOUTS = {
     "dp4_fsdp_ac": ["parallel.dp=4", "train.activation_checkpoint=full"],
     "dp4_fsdp_sac": ["parallel.dp=4", "train.activation_checkpoint=selective"],
     "tp4": ["parallel.tp=4", "parallel.sequence_parallel=true"],
+    # ddp and zero1 hold their gathered weights beside the gradients of earlier micro-batches.
+    "dp4_ddp_ga2": ["parallel.dp=4", "parallel.dp_mode=ddp", "train.grad_accum=2"],
+    "dp4_zero1_ga2": ["parallel.dp=4", "parallel.dp_mode=zero1", "train.grad_accum=2"],
+    "pp2_dp2_ddp_1f1b4": ["parallel.pp=2", "parallel.dp=2", "parallel.dp_mode=ddp", "parallel.microbatches=4",
+                          "parallel.schedule=1f1b"],
+    # A vocabulary large enough that the fp32 logits and their gradient count: with an MTP module
+    # (its own logits), and on a pipeline's last stage.
+    "dp4_fsdp_v8k_mtp": ["parallel.dp=4", "model.vocab_size=8192", "model.mtp_depth=1"],
+    "pp2_dp2_1f1b_v8k": ["parallel.pp=2", "parallel.dp=2", "parallel.microbatches=2", "parallel.schedule=1f1b",
+                         "model.vocab_size=8192"],
 }
 
 
