@@ -37,12 +37,13 @@ class StepLogger:
     whose aux-loss-free biases the dashboards draw."""
 
     def __init__(self, cfg: TrainConfig, metrics: MetricsLogger, meter: MfuMeter, dashboards: Dashboards, *,
-                 start_step: int, enabled: bool, evaluate: Callable[[], float], modules: list[nn.Module],
-                 console: Callable[[str], None]):
+                 start_step: int, start_tokens: int, enabled: bool, evaluate: Callable[[], float],
+                 modules: list[nn.Module], console: Callable[[str], None]):
         self.cfg, self.metrics, self.meter, self.dashboards = cfg, metrics, meter, dashboards
         self.evaluate, self.modules, self.console = evaluate, modules, console
-        self.tokens_per_step = cfg.batch_size * cfg.seq_len
         self.progress = Progress(total=cfg.steps, start=start_step, enabled=enabled)
+        # Throughput counts the tokens the trainer counted (TrainState.tokens), not a formula of its own.
+        self._tokens_seen = start_tokens
         self._window_tokens, self._window_s = 0, 0.0
 
     def __enter__(self) -> "StepLogger":
@@ -70,7 +71,8 @@ class StepLogger:
         """Report the step `state.step` just finished: `step_s` the step itself, `iteration_s` the
         whole iteration (learning rate, batch, step)."""
         step = state.step
-        self._window_tokens += self.tokens_per_step
+        self._window_tokens += state.tokens - self._tokens_seen
+        self._tokens_seen = state.tokens
         self._window_s += iteration_s
         record = {"loss": result.loss, "lr": lr, "tokens": state.tokens, "elapsed_s": round(state.elapsed_s(), 3)}
         record.update({f"tokens/{name}": n for name, n in state.source_tokens.items()})  # under data.blend

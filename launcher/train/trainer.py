@@ -316,7 +316,8 @@ def _train_held(parts: Components, state: TrainState, run: RunDir, fence: RunFen
                                     step=state.step, state=lambda: _checkpoint_state(parts, state, info.world_size,
                                                                                      fence.world),
                                     console=console, guard=fence.check)
-    logger = StepLogger(t, metrics, meter, dashboards, start_step=state.step, enabled=info.is_main,
+    logger = StepLogger(t, metrics, meter, dashboards, start_step=state.step, start_tokens=state.tokens,
+                        enabled=info.is_main,
                         evaluate=parts.evaluate, modules=parts.pm.modules, console=console)
     stop_at = min(t.steps, state.step + exit_after) if exit_after else t.steps
     with StopFlag() as stop, logger:
