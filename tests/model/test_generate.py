@@ -92,6 +92,14 @@ def test_top_k_top_p_keep_what_the_definition_keeps(top_k, top_p):
         assert set(mask_BV[row].nonzero()[:, 0].tolist()) == direct_allowed(logits_BV[row], top_k, top_p)
 
 
+@pytest.mark.parametrize("top_p,size", [(0.25, 1), (0.5, 2), (0.75, 3), (0.8, 4), (1.0, 4)])
+def test_a_nucleus_that_reaches_top_p_exactly_stops_there(top_p, size):
+    """Four equally likely tokens (probability 0.25 each, exact in binary): the fewest whose sum is at
+    least p. Random logits never land on the boundary, where a nucleus one token too large hides."""
+    mask_BV = allowed_tokens(torch.zeros(1, 4), top_p=top_p)
+    assert int(mask_BV.sum()) == size
+
+
 @pytest.mark.parametrize("top_k,top_p", [(4, 1.0), (0, 0.6), (6, 0.8)])
 def test_sampling_only_ever_picks_allowed_tokens(top_k, top_p):
     logits_BV = torch.randn(4, 30, generator=torch.Generator().manual_seed(5)) * 2
