@@ -11,7 +11,7 @@ from pathlib import Path
 def add_checkpoint_arguments(p) -> None:
     """RUN_OR_CHECKPOINT and the model.key=value overrides that follow it."""
     p.add_argument("path", metavar="RUN_OR_CHECKPOINT", help="run folder or checkpoint folder")
-    p.add_argument("overrides", nargs="*", metavar="model.key=value", help="model settings to change")
+    p.add_argument("overrides", nargs="*", default=[], metavar="model.key=value", help="model settings to change")
 
 
 def add_device_argument(p) -> None:

@@ -21,7 +21,7 @@ def register(sub) -> None:
                     "with status 1 when counted and analytic differ by more than 2% outside attention.",
         formatter_class=HelpFormatter)
     p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length; train.seq_len when not given")
     p.add_argument("--batch", type=int, default=None, help="sequences per step; train.batch_size when not given")
     p.add_argument("--kv-bytes", type=int, default=2, help="bytes per cached key/value element (2: bf16)")

@@ -22,7 +22,7 @@ def register(sub) -> None:
                     "device profiles and their sources in launcher/perf/device_profiles.py.",
         formatter_class=HelpFormatter)
     p.add_argument("config", nargs="?", help="YAML preset, e.g. configs/mixtral-8x7b.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     p.add_argument("--gpus", type=int, help="devices (ranks) to plan for")
     p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (NVLink domain)")
     p.add_argument("--gpu", default="H100",
@@ -58,11 +58,10 @@ def run(args) -> int:
         if not args.config:
             return 0
     if not args.config or args.gpus is None:
-        raise ConfigError("moetron plan needs a CONFIG and --gpus N (or --calibrate alone)")
+        raise ConfigError("needs a CONFIG and --gpus N (or --calibrate alone)")
     cfg, profile, result = make_plan(args)
     if not result.ranked:
-        reason = result.dropped[0].reason if result.dropped else "no valid layout for this many devices"
-        raise ConfigError(f"no layout of {args.config} fits on {args.gpus} × {profile.name}: {reason}")
+        raise ConfigError(result.refusal(cfg, args.config, args.gpus, profile.name))
     if args.overrides_only:
         print(" ".join(result.ranked[0].layout.overrides()))
         return 0
@@ -116,8 +115,9 @@ def make_plan(args):
         overrides.append(f"train.batch_size={args.global_batch}")
     if args.seq_len:
         overrides.append(f"train.seq_len={args.seq_len}")
-    # The plan picks the accumulation; the preset's own would otherwise constrain the batch split.
-    cfg = load_config(args.config, [*overrides, "train.grad_accum=1"], world_size=args.gpus)
+    # The plan picks the accumulation and the layout: neither the preset's accumulation nor its dp
+    # inferred from --gpus need suit the devices.
+    cfg = load_config(args.config, [*overrides, "train.grad_accum=1"])
     profile = get_profile(args.gpu, interconnect=args.interconnect)
     if args.expert_imbalance < 1:
         raise ConfigError(f"--expert-imbalance {args.expert_imbalance}: must be >= 1 (the busiest rank over the mean)")

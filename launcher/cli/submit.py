@@ -20,7 +20,7 @@ def register(sub) -> None:
                     "Flags left out take the config's `slurm:` section.",
         formatter_class=HelpFormatter)
     p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     p.add_argument("--nodes", type=node_range, metavar="N|MIN-MAX",
                    help="nodes; slurm.nodes when not given. MIN-MAX: the job starts on as many nodes as are up "
                         "(at least MIN) and plans its layout for them (needs --layout auto); when a node fails, "

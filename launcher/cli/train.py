@@ -14,7 +14,7 @@ def register(sub) -> None:
                     "tensorboard/, checkpoints/). Under torchrun, srun or mpirun every rank runs this.",
         formatter_class=HelpFormatter)
     p.add_argument("config", help="YAML preset, e.g. configs/tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    p.add_argument("overrides", nargs="*", default=[], metavar="key=value", help="config overrides")
     p.add_argument("--resume", default="auto", metavar="auto|none|PATH",
                    help="auto: continue from the run folder's newest complete checkpoint (or start "
                         "fresh if the folder is new); none: fresh start, refused if the folder holds a "

@@ -403,6 +403,16 @@ class Plan:
     dropped: list[Prediction]  # valid layouts that do not fit
     considered: int
 
+    def refusal(self, cfg: Config, config: str, devices: int, profile: str) -> str:
+        """One line on why no layout of `config` (loaded as `cfg`) is ranked on `devices` × `profile`."""
+        if self.dropped:
+            return f"no layout of {config} fits on {devices} × {profile}: {self.dropped[0].reason}"
+        m = cfg.model
+        experts = f", {m.moe.num_experts} experts" if m.moe.enabled else ""
+        return (f"no layout of {config} is valid on {devices} devices: no split into pp × dp × cp × tp (× ep) "
+                f"suits its {m.n_layers} layers, {m.n_heads} heads{experts} and batch of {cfg.train.batch_size} "
+                f"sequences; try another number of devices or batch size")
+
 
 def plan(cfg: Config, gpus: int, profile: DeviceProfile, *, gpus_per_node: int,
          expert_imbalance: float = 1.0) -> Plan:
@@ -472,10 +482,11 @@ def choose_layout(config: str, overrides: list[str], ranks: int, profile: str, *
     from moetron.launcher.perf.device_profiles import get_profile
 
     # The plan chooses the accumulation; the preset's own would only constrain how the batch splits.
-    cfg = load_config(config, [*overrides, "train.grad_accum=1"], world_size=ranks)
+    # Loaded without the rank count: the plan chooses the layout, so the config's own (dp inferred
+    # from the ranks) need not be valid.
+    cfg = load_config(config, [*overrides, "train.grad_accum=1"])
     dev = get_profile(profile)
     result = plan(cfg, ranks, dev, gpus_per_node=gpus_per_node)
     if not result.ranked:
-        reason = result.dropped[0].reason if result.dropped else "no valid layout for this many ranks"
-        raise ConfigError(f"--layout auto: no layout of {config} fits on {ranks} × {dev.name}: {reason}")
+        raise ConfigError(f"--layout auto: {result.refusal(cfg, config, ranks, dev.name)}")
     return result.ranked[0]

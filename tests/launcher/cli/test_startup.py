@@ -116,3 +116,16 @@ def test_a_command_like_nothing_lists_the_commands(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err
     assert "did you mean" not in err and "commands: train, " in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command,missing", [
+    ("train", "config"), ("flops", "config"), ("submit", "config"), ("generate", "RUN_OR_CHECKPOINT"),
+    ("eval", "RUN_OR_CHECKPOINT, --seq-len"), ("export", "RUN_OR_CHECKPOINT, --out")])
+def test_a_command_without_arguments_names_only_what_is_missing(capsys, command, missing):
+    """The key=value overrides after a config or run are optional: argparse lists a `*` positional
+    without a default among the missing ones, which told a user that `key=value` was required."""
+    with pytest.raises(SystemExit) as stop:
+        main([command])
+    assert stop.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == f"moetron {command}: error: the following arguments are required: {missing}"

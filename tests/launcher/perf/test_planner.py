@@ -186,6 +186,9 @@ def test_plan_cli_json_with_dropped_layouts_says_what_the_table_says(tmp_path):
     (["configs/tiny.yaml", "--gpus", "4", "--gpu", "V100"], "--gpu 'V100': unknown; choose one of H100"),
     (["configs/tiny.yaml", "--gpus", "4", "--gpu", "H100", "--interconnect", "carrier-pigeon"], "--interconnect"),
     (["configs/tiny.yaml", "--gpus", "0"], "--gpus 0: must be >= 1"),
+    # No layout is valid (dp = 6 does not split 16 sequences, nor pp, tp or cp the model): said in
+    # the plan's terms, not as the config's own dp inferred from --gpus.
+    (["configs/tiny.yaml", "--gpus", "6"], "no layout of configs/tiny.yaml is valid on 6 devices: no split into pp"),
     (["configs/tiny.yaml"], "needs a CONFIG and --gpus N"),
 ])
 def test_bad_input_is_one_line(tmp_path, argv, message):
