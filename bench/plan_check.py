@@ -122,7 +122,8 @@ def measure(name: str, steps: int, warmup: int = 2) -> dict:
 
     for _ in range(warmup):
         step()
-    step_s = torch.tensor(timed_median(step, steps, warm=False), dtype=torch.float64)
+    # --steps 0: memory and bytes only (the counted step also creates the optimizer state).
+    step_s = torch.tensor(timed_median(step, steps, warm=False) if steps else float("nan"), dtype=torch.float64)
     dist.all_reduce(step_s, op=dist.ReduceOp.MAX)
     counter = CollectiveCounter()
     with counter:
@@ -196,7 +197,7 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
-    p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per layout (median; 0: memory and bytes only)")
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed steps first (the counted and probed steps follow the timed ones, so "
                         "0 still measures bytes and memory on a step after the first; step times want more)")

@@ -207,15 +207,15 @@ def test_plan_check_memory_and_bytes_match_a_measured_run(tmp_path, monkeypatch,
     # A profile is needed to predict times; its numbers do not enter memory or bytes.
     save_profile(DeviceProfile("cpu", 1e10, 6e9, 0.8, 1e9, 1e-4, 1e9, 1e-4, hbm_bw=1e10, dp_overlap=0.0),
                  tmp_path / "moetron" / "plan_profile.json")
-    # No warm-up steps: bytes are counted on the second step and memory probed on the third, once
-    # the optimizer state exists; only step times (not checked here) need more.
+    # No warm-up or timed steps: bytes are counted on the first step and memory probed on the second,
+    # once the optimizer state exists; only step times (not checked here) need more.
     # Accumulation under FSDP keeps gradients sharded (dp4_fsdp_ga4: 1.26× the prediction when every
     # micro-batch skipped its reduce-scatter); GPipe keeps every micro-batch in flight, 1F1B pp of them
     # (4 micro-batches, pp = 2), and the pipeline's FSDP stages hold whole gradients until its step ends.
     # ZeRO-1 (torch's replicate) holds its gathered weights beside the gradients accumulated so far
     # (dp4_zero1_ga2: 1.35× the prediction without them).
     layouts = ["dp4_fsdp", "dp4_fsdp_ga4", "tp2_ep2", "pp2_dp2_gpipe4", "pp2_dp2_1f1b4", "dp4_zero1_ga2"]
-    runs = forked_script(ROOT / "bench" / "plan_check.py", 4, ["--steps", "1", "--warmup", "0", "--worker", *layouts],
+    runs = forked_script(ROOT / "bench" / "plan_check.py", 4, ["--steps", "0", "--warmup", "0", "--worker", *layouts],
                          900)
     rows = bench_script("plan_check").compare(runs)
     assert [r["layout"] for r in rows] == layouts
