@@ -8,6 +8,7 @@ import re
 
 from moetron.launcher.cli.args import respect_umask
 from moetron.launcher.cli.help import HelpFormatter
+from moetron.launcher.cli.progress_bar import progress_bar
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -63,7 +64,7 @@ def run(args) -> int:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise RunError(f"--out {out}: already exists; choose a new folder")
     source = Path(args.from_hf) if args.from_hf is not None else resolve_checkpoint(args.to_hf)
-    with _progress() as on_plan:
+    with progress_bar("convert", unit="bytes") as on_plan:
         try:
             if args.from_hf is not None:
                 n_params, dtype = hf_convert.from_hf(source, out, dtype=dtype, on_plan=on_plan)
@@ -90,25 +91,3 @@ def _return_freed_memory() -> None:
     with contextlib.suppress(OSError, AttributeError, TypeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD; setting it also stops the rise
-
-
-@contextlib.contextmanager
-def _progress():
-    """A rich progress bar of bytes converted, on a terminal's stderr (none elsewhere: logs and
-    pipes get the summary line only); yields on_plan(total bytes) → on_tensor(bytes)."""
-    import sys
-
-    if not sys.stderr.isatty():
-        yield lambda total: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
-
-    with Progress("[bold]convert", BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-
-        def on_plan(total: int):
-            task = bar.add_task("convert", total=total)
-            return lambda nbytes: bar.advance(task, nbytes)
-
-        yield on_plan

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 
 from moetron.launcher.cli.help import HelpFormatter
+from moetron.launcher.cli.progress_bar import progress_bar
 
 
 def register(sub) -> None:
@@ -63,8 +64,8 @@ def run_prepare(args) -> int:
     out = Path(args.out)
     with _nothing_left_on_failure(out):
         tok = _tokenizer(args, out, docs)
-        with _progress(documents) as advance:
-            written = write_corpus(out, docs(), tok, args.val_fraction, advance, workers)
+        with progress_bar("tokenize") as on_plan:
+            written = write_corpus(out, docs(), tok, args.val_fraction, on_plan(documents), workers)
     train, val = written.tokens["train"], written.tokens["val"]
     print(f"{_count(documents, 'document')} → {train:,} train and {val:,} validation tokens "
           f"(vocabulary {tok.vocab_size}, largest id {written.max_id}); index {written.index}")
@@ -135,24 +136,6 @@ def _split_problem(documents: int, held_out: int, val_fraction: float) -> str | 
     return (f"{went} to {side}, none to {other} (--val-fraction {val_fraction:g} picks documents by a hash of "
             f"their names); each split needs at least one: give more documents (a .jsonl holds one per line, "
             f"a .parquet one per row) or {fix} --val-fraction")
-
-
-@contextlib.contextmanager
-def _progress(total_documents: int):
-    """A rich progress bar of documents tokenized, on a terminal's stderr (none elsewhere:
-    logs and pipes get the summary line only); yields advance(documents)."""
-    import sys
-
-    if not sys.stderr.isatty():
-        yield lambda documents: None
-        return
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TimeRemainingColumn
-
-    with Progress("[bold]tokenize", BarColumn(), TaskProgressColumn(), TimeRemainingColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("tokenize", total=total_documents)
-        yield lambda documents: bar.advance(task, documents)
 
 
 def _count(n: int, noun: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from moetron.launcher.cli.args import add_checkpoint_arguments, add_device_argument, device_of
 from moetron.launcher.cli.help import HelpFormatter
+from moetron.launcher.cli.progress_bar import progress_bar
 
 
 def register(sub) -> None:
@@ -63,8 +64,9 @@ def run(args) -> int:
         raise ConfigError(f"data {cfg.data.blend or cfg.data.source!r}: its tokenizer has {data.vocab_size} ids, "
                           f"more than the model's vocabulary ({cfg.model.vocab_size})")
     try:
-        results = evaluate_lengths(model, data.val, lengths, tokens=args.tokens, batch_tokens=args.batch_tokens,
-                                   vocab_size=data.vocab_size, device=device)
+        with progress_bar("eval") as on_plan:  # target tokens scored, over all lengths
+            results = evaluate_lengths(model, data.val, lengths, tokens=args.tokens, batch_tokens=args.batch_tokens,
+                                       vocab_size=data.vocab_size, device=device, on_plan=on_plan)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if args.json:

@@ -100,13 +100,14 @@ def loss_per_position(model: Decoder, windows_BS1: torch.Tensor, vocab_size: int
 
 def evaluate_lengths(model: Decoder, val_shards: list[np.ndarray], lengths: list[int], *, tokens: int,
                      batch_tokens: int = 8192, vocab_size: int | None = None, device=None,
-                     longest: int | None = None) -> list[LengthLoss]:
+                     longest: int | None = None, on_plan=None) -> list[LengthLoss]:
     """Validation loss at each of `lengths` on the same ~`tokens` target tokens (module docstring).
 
     Windows are batched `batch_tokens` tokens at a time (at least one window): the scores of one
     batch are B × H × S × S, which bounds memory at long lengths. `longest` (default: the longest
     of `lengths`) is the length the spans are cut for: a sweep run a few lengths at a time (one
     model setting per length) passes its overall longest, so every piece scores the same tokens.
+    `on_plan(total)` → advance(n), if given, hears the target tokens to score and each batch's.
     """
     for problem in length_problems(model.cfg, lengths):
         raise ValueError(problem)
@@ -117,6 +118,7 @@ def evaluate_lengths(model: Decoder, val_shards: list[np.ndarray], lengths: list
     spans = eval_spans(val_shards, longest + 1, max(1, math.ceil(tokens / longest)))
     model.eval()
     out = []
+    advance = on_plan(sum(len(spans) * (longest // S) * S for S in lengths)) if on_plan else lambda n: None
     for S in lengths:
         windows = [span[i * S : i * S + S + 1] for span in spans for i in range(longest // S)]
         per_batch = max(1, batch_tokens // S)
@@ -124,6 +126,7 @@ def evaluate_lengths(model: Decoder, val_shards: list[np.ndarray], lengths: list
         for i in range(0, len(windows), per_batch):
             batch_BS1 = torch.from_numpy(np.stack(windows[i : i + per_batch])).to(device)
             sum_S += loss_per_position(model, batch_BS1, vocab_size).cpu()
+            advance(batch_BS1.shape[0] * S)
         mean_S = sum_S / len(windows)
         buckets = [(a, b, float(mean_S[a:b].mean())) for a, b in position_buckets(S)]
         out.append(LengthLoss(S, float(mean_S.mean()), len(windows) * S, buckets))

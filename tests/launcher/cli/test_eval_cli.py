@@ -20,7 +20,7 @@ from moetron.launcher.checkpoint.weights import resolve_checkpoint
 from moetron.launcher.cli.main import main
 from moetron.launcher.config import config_from_dict
 from moetron.launcher.data.corpus import load_token_data
-from moetron.launcher.train.length_eval import eval_spans, position_buckets
+from moetron.launcher.train.length_eval import eval_spans, evaluate_lengths, position_buckets
 from moetron.model.generate import Sampling, generate
 from moetron.model.transformer import Decoder, build_model
 
@@ -79,6 +79,22 @@ def test_losses_by_length_and_bucket_equal_a_recomputed_loss(runs, cli_json):
         reference_loss(model, 128, 128, 512, positions=range(64, 128)), rel=1e-5)
     for r in got["results"]:
         assert 0 < r["loss"] < 10
+
+
+def test_the_progress_bar_hears_every_target_token_once(runs):
+    """`moetron eval`'s bar (on a terminal): the total it is given up front is what the batches
+    report, the target tokens of every length, batched at most --batch-tokens at a time."""
+    totals, steps = [], []
+
+    def on_plan(total: int):
+        totals.append(total)
+        return steps.append
+
+    data = load_token_data("stdlib")
+    results = evaluate_lengths(reference_model(runs["t5"]), data.val, [32, 64, 128], tokens=512, batch_tokens=128,
+                               vocab_size=data.vocab_size, on_plan=on_plan)
+    assert totals == [sum(r.tokens for r in results)] == [3 * 512]
+    assert sum(steps) == totals[0] and len(steps) == 3 * 4 and max(steps) <= 128
 
 
 # Frequencies of the 4 rotated pairs of an 8-wide head, theta 10000: theta^(-2i/8) = 1, 0.1, 0.01,
