@@ -12,8 +12,9 @@ layout the trainer refuses. Its cost, by named part:
              ep, cp, pp, sequence parallel and activation checkpointing) plus communication
              buffers: FSDP/HSDP's gathered copy of two blocks (the one running and the one
              prefetched), DDP/ZeRO-1's gathered copy of the rank's weights where the gradients of
-             earlier micro-batches are held beside it, expert parallelism's send and receive rows. It fits when the total is
-             at most MEMORY_HEADROOM of the device (allocator fragmentation, the CUDA context).
+             earlier micro-batches are held beside it, expert parallelism's send and receive rows.
+             It fits when the total is at most MEMORY_HEADROOM of the device (allocator
+             fragmentation, the CUDA context).
   compute    the FLOPs of the most loaded rank — dense work split by dp × cp × tp × pp, routed
              experts by dp × cp × pp × etp (replicated over tp when etp = 1), the LM head and the
              multi-token-prediction modules (split by tp) on the last stage, ×4/3 for the
@@ -52,7 +53,7 @@ from moetron.launcher.perf.flops import (
     layer_counts,
     parameter_counts,
 )
-from moetron.launcher.perf.memory import busiest_rank_imbalance, memory_per_rank, parameters_held
+from moetron.launcher.perf.memory import busiest_rank_imbalance, memory_per_rank
 from moetron.parallel.config import ParallelConfig
 from moetron.parallel.mesh import MESH_DIMS, mesh_shape
 
@@ -228,7 +229,7 @@ def predict_memory(cfg: Config, layout: Layout, *, expert_imbalance: float = 1.0
     mem = memory_per_rank(cfg.model, par, seq_len=t.seq_len, micro_batch=micro,
                           activation_checkpoint=layout.activation_checkpoint, activation_bytes=act_bytes,
                           expert_imbalance=expert_imbalance, chunks=chunks).to_dict()
-    mem["buffers"] = _buffers(cfg, par, micro, act_bytes, mem["activations"], expert_imbalance, chunks)
+    mem["buffers"] = _buffers(cfg, par, micro, act_bytes, mem, expert_imbalance, chunks)
     mem["total"] = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "buffers"))
     return mem
 
@@ -368,11 +369,11 @@ def _block_params(m) -> tuple[float, float]:
     return dense, counts.experts / max(n_moe, 1)
 
 
-def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, activations: float,
+def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, mem: dict[str, float],
              imbalance: float = 1.0, chunks: int = 1) -> float:
     """Communication buffers: FSDP/HSDP's gathered copy of two blocks (the routed experts being
     their own unit, E/ep of them), and in backward a block's whole gradient with the reduce-scatter's
-    copy of it (fp32), held while only that block's share of the `activations` has been freed: that
+    copy of it (fp32), held while only that block's share of the activations has been freed: that
     sets the peak when a micro-batch's activations are small beside the block (bench/plan_check.py:
     dp4 fsdp with 4 accumulation steps measured 1.24× the prediction without it); EP's send +
     receive rows (received: × the busiest rank's imbalance).
@@ -382,15 +383,16 @@ def _buffers(cfg: Config, par: ParallelConfig, micro: int, act_bytes: int, activ
     appear: with one chunk per step the copy and the gradients take turns, and the `grads` term
     counts both. With more (`chunks`: grad_accum × pipeline micro-batches) the gradients of the
     earlier backwards are held beside the copy (bench/plan_check.py: dp4 ddp with 2 accumulation
-    steps measured 1.24× the prediction without it, zero1 1.35×, pp2 dp2 ddp 1F1B 1.23×)."""
+    steps measured 1.24× the prediction without it, zero1 1.35×, pp2 dp2 ddp 1F1B 1.23×).
+    `mem`: memory_per_rank's parts ("weights", "activations")."""
     m = cfg.model
     out = 0.0
     if par.dp_mode in ("fsdp", "hsdp") and par.dp * par.cp > 1:
         dense, experts = _block_params(m)
         block = (dense / par.tp + experts / (par.ep * par.etp)) * 4  # one block's fp32 parameters here
-        out += 2 * block + max(0.0, 2 * block - activations / max(m.n_layers / par.pp, 1))
+        out += 2 * block + max(0.0, 2 * block - mem["activations"] / max(m.n_layers / par.pp, 1))
     if par.dp_mode in ("ddp", "zero1") and par.dp * par.cp > 1 and chunks > 1:
-        out += parameters_held(m, par)[0] * 4  # the fp32 gathered copy of this rank's weights
+        out += mem["weights"]  # the gathered copy of this rank's weights
     if par.ep > 1 and m.moe.enabled:
         rows = micro * cfg.train.seq_len / par.cp * m.moe.top_k
         out += (1 + busiest_rank_imbalance(m, par.ep, imbalance)) * rows * m.d_model * act_bytes
